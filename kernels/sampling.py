@@ -1,0 +1,64 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, with keys from (seed, position)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def request_key(seed: jnp.ndarray, position: jnp.ndarray) -> jax.Array:
+    """PRNG key for the token at `position` of a request seeded with `seed`.
+
+    Deriving the key from (seed, position) alone makes a continuation reproducible from any
+    point: re-prefilling prompt + generated tokens elsewhere samples the same next tokens.
+    """
+    return jax.random.fold_in(jax.random.key(seed.astype(jnp.uint32)), position)
+
+
+def _sample_row(logits, temperature, top_k, top_p, min_p, seed, position):
+    """Samples one row; logits f32[V]. Greedy rows are handled by the caller."""
+    vocab = logits.shape[-1]
+    vals, idx = jax.lax.top_k(logits, vocab)  # sorted descending
+    vals = vals / jnp.maximum(temperature, 1e-6)
+    rank = jnp.arange(vocab)
+    keep = jnp.where(top_k > 0, rank < top_k, True)
+    vals = jnp.where(keep, vals, -jnp.inf)
+    probs = jax.nn.softmax(vals)
+    # top-p keeps the smallest prefix whose mass reaches p (the first token always survives).
+    keep &= (jnp.cumsum(probs) - probs) < top_p
+    keep &= probs >= min_p * probs[0]
+    vals = jnp.where(keep, vals, -jnp.inf)
+    choice = jax.random.categorical(request_key(seed, position), vals)
+    return idx[choice]
+
+
+def sample(
+    logits: jnp.ndarray,
+    temperature: jnp.ndarray,
+    top_k: jnp.ndarray,
+    top_p: jnp.ndarray,
+    min_p: jnp.ndarray,
+    seed: jnp.ndarray,
+    position: jnp.ndarray,
+) -> jnp.ndarray:
+    """Picks the next token of each row.
+
+    Args:
+      logits: f32[B, V].
+      temperature: f32[B]; 0 means greedy (argmax, first index on ties, as transformers).
+      top_k: i32[B]; 0 disables.
+      top_p: f32[B] in (0, 1]; 1 disables.
+      min_p: f32[B] in [0, 1]; 0 disables.
+      seed: u32[B] per-request seeds.
+      position: i32[B] position the sampled token will occupy.
+    Returns:
+      i32[B] token ids.
+    """
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def sampled(_):
+        s = jax.vmap(_sample_row)(logits, temperature, top_k, top_p, min_p, seed, position)
+        return jnp.where(temperature > 0, s.astype(jnp.int32), greedy)
+
+    # The full-vocab sort only runs when some row samples: an all-greedy batch skips it.
+    return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy, None)

@@ -1,0 +1,1 @@
+"""Benchmarks: decode step throughput against peers and the bandwidth floor."""

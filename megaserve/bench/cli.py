@@ -1,0 +1,133 @@
+"""`megaserve bench decode`: our decode step beside transformers and llama.cpp, in one run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks")
+    bsub = p.add_subparsers(dest="bench", required=True)
+    d = bsub.add_parser("decode", help="decode step ms/step vs peers and the bandwidth floor")
+    d.add_argument("--checkpoint", default="smollm2")
+    d.add_argument("--batch", default="1,8,32")
+    d.add_argument("--context", type=int, default=512)
+    d.add_argument("--steps", type=int, default=16)
+    d.add_argument("--warmup", type=int, default=3)
+    d.add_argument("--dtype", default="f32", choices=("f32", "bf16"))
+    d.add_argument("--steps-per-call", type=int, default=1)
+    d.add_argument(
+        "--peers",
+        default="auto",
+        choices=("auto", "none"),
+        help="also run transformers and llama.cpp from --ref-python if it exists",
+    )
+    d.add_argument("--ref-python", default=str(REPO / ".venv-ref" / "bin" / "python"))
+    d.add_argument("--json-out", help="also write all rows to this JSON file")
+    d.set_defaults(func=cmd_bench_decode)
+
+
+def _peer_rows(a, gguf: Path, batches: list[int]) -> list[dict]:
+    ref = Path(a.ref_python)
+    if a.peers == "none" or not ref.exists():
+        print(f"peers skipped (no {ref}; `make ref-env` builds it)", file=sys.stderr)
+        return []
+    f32 = REPO / ".cache" / "smollm2-f32.gguf"
+    f32.parent.mkdir(exist_ok=True)
+    script = str(REPO / "bench" / "peers.py")
+    env = {**os.environ, "GGML_NO_BACKTRACE": "1", "HF_HUB_OFFLINE": "1"}
+    subprocess.run(
+        [str(ref), script, "make-f32", "--src", str(gguf), "--dst", str(f32)], check=False, env=env
+    )
+    cmd = [
+        str(ref),
+        script,
+        "decode",
+        "--gguf",
+        str(gguf),
+        "--f32-gguf",
+        str(f32),
+        "--batch",
+        ",".join(map(str, batches)),
+        "--context",
+        str(a.context),
+        "--steps",
+        str(a.steps),
+        "--warmup",
+        str(a.warmup),
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    rows = []
+    for line in out.stdout.splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    if out.returncode:
+        print(out.stderr[-2000:], file=sys.stderr)
+    return rows
+
+
+def cmd_bench_decode(a: argparse.Namespace) -> int:
+    import jax.numpy as jnp
+
+    from megaserve.bench.decode import bench_ours, measure_read_bandwidth
+    from megaserve.checkpoint import resolve_checkpoint_path
+    from megaserve.model import LoadedModel
+
+    batches = [int(b) for b in a.batch.split(",")]
+    dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16}[a.dtype]
+    model = LoadedModel.load(a.checkpoint, dtype=dtype, progress=False)
+    bw = measure_read_bandwidth()
+    print(
+        f"read bandwidth: {bw / 1e9:.1f} GB/s (jitted sum over 1 GiB, best of 5)", file=sys.stderr
+    )
+    rows = [
+        bench_ours(
+            model, b, a.context, a.steps, a.warmup, bw, steps_per_call=a.steps_per_call
+        ).as_dict()
+        for b in batches
+    ]
+    ours = {r["batch"]: r for r in rows}
+    for r in _peer_rows(a, resolve_checkpoint_path(a.checkpoint), batches):
+        if "ms_per_step" in r and r["batch"] in ours:
+            nbytes = ours[r["batch"]]["bytes_per_step"]
+            # Quantized weights read fewer bytes than ours; only same-precision rows share a floor.
+            if r.get("precision") == ours[r["batch"]]["precision"]:
+                r["bytes_per_step"] = nbytes
+                r["floor_ms"] = 1000 * nbytes / bw
+                r["floor_fraction"] = r["floor_ms"] / r["ms_per_step"]
+        rows.append(r)
+    _print_table(rows, bw)
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps({"bandwidth_Bps": bw, "rows": rows}, indent=1))
+    return 0
+
+
+def _print_table(rows: list[dict], bw: float) -> None:
+    print(f"# decode benchmark; read bandwidth {bw / 1e9:.1f} GB/s")
+    print(
+        f"{'engine':<16}{'prec':<6}{'batch':>6}{'ctx':>6}{'ms/step':>10}{'tok/s':>10}"
+        f"{'MB/step':>9}{'floor ms':>10}{'of floor':>9}"
+    )
+    for r in rows:
+        if "error" in r:
+            print(
+                f"{r['engine']:<16}{r.get('precision', ''):<6}{r['batch']:>6}  error: "
+                f"{r['error'][:60]}"
+            )
+            continue
+        mb = f"{r['bytes_per_step'] / 1e6:.0f}" if "bytes_per_step" in r else "-"
+        fl = f"{r['floor_ms']:.1f}" if "floor_ms" in r else "-"
+        fr = f"{100 * r['floor_fraction']:.0f}%" if "floor_fraction" in r else "-"
+        print(
+            f"{r['engine']:<16}{r['precision']:<6}{r['batch']:>6}{r['context']:>6}"
+            f"{r['ms_per_step']:>10.1f}{r['tokens_per_s']:>10.1f}{mb:>9}{fl:>10}{fr:>9}"
+        )

@@ -1,0 +1,115 @@
+"""The `megaserve` command line: generate, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from megaserve.errors import CheckpointError, RequestError
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--prompt-ids must be comma-separated ints: {e}") from e
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from a checkpoint in-process")
+    p.add_argument(
+        "--checkpoint",
+        default="smollm2",
+        help="HF directory, .gguf file, or 'smollm2' (the packaged GGUF)",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="raw prompt text (no chat template)")
+    src.add_argument("--chat", help="one user message, rendered with the chat template")
+    src.add_argument("--prompt-ids", type=_ids, help="comma-separated prompt token ids")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument(
+        "--steps-per-call",
+        type=int,
+        default=1,
+        help="decode steps per device call (multi-step decode)",
+    )
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-context", type=int, default=4096)
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='print {"token_ids": [...], "text": "..."} for the generated part only',
+    )
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from megaserve.model import LoadedModel
+    from megaserve.offline import OfflineGenerator
+    from megaserve.sampling_params import SamplingParams
+
+    sampling = SamplingParams(a.temperature, a.top_k, a.top_p, a.min_p, a.seed)
+    model = LoadedModel.load(a.checkpoint, progress=not a.json)
+    tok = model.tokenizer
+    if a.prompt_ids is not None:
+        ids = a.prompt_ids
+    elif tok is None:
+        raise RequestError(f"{a.checkpoint} has no tokenizer; use --prompt-ids")
+    elif a.chat is not None:
+        ids = tok.encode_chat([{"role": "user", "content": a.chat}])
+    else:
+        ids = tok.encode(a.prompt, add_special_tokens=True)
+    gen = OfflineGenerator(
+        model, page_size=a.page_size, max_context=a.max_context, steps_per_call=a.steps_per_call
+    )
+    stream = gen.stream(ids, a.max_new_tokens, sampling, ignore_eos=a.ignore_eos)
+    out: list[int] = []
+    if a.json:
+        out = list(stream)
+        text = tok.decode(_strip_eos(out, model.eos_token_ids)) if tok else ""
+        print(json.dumps({"token_ids": out, "text": text}, ensure_ascii=False))
+        return 0
+    printed = ""
+    for t in stream:
+        out.append(t)
+        if tok is None:
+            print(t, end=" ", flush=True)
+            continue
+        text = tok.decode(_strip_eos(out, model.eos_token_ids), skip_special_tokens=True)
+        # Hold back a trailing partial UTF-8 sequence until its last byte arrives.
+        if not text.endswith("\ufffd"):
+            print(text[len(printed) :], end="", flush=True)
+            printed = text
+    print()
+    return 0
+
+
+def _strip_eos(ids: list[int], eos: tuple[int, ...]) -> list[int]:
+    return ids[:-1] if ids and ids[-1] in eos else ids
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="megaserve", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    _add_generate(sub)
+    from megaserve.bench.cli import add_bench
+
+    add_bench(sub)
+    a = parser.parse_args(argv)
+    try:
+        if a.cmd == "generate":
+            return cmd_generate(a)
+        return a.func(a)
+    except (CheckpointError, RequestError) as e:
+        print(f"megaserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""A loaded model: family code, static config, device weights, tokenizer and EOS ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import jax.numpy as jnp
+
+from kernels.registry import family_for
+from megaserve.checkpoint import Checkpoint, load_checkpoint
+from megaserve.errors import CheckpointError
+from megaserve.tokenizer import TextTokenizer
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """Everything a runner needs to execute one checkpoint."""
+
+    name: str
+    family: ModuleType
+    cfg: Any
+    params: dict
+    tokenizer: TextTokenizer | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_checkpoint(cls, ck: Checkpoint, dtype: Any = jnp.float32) -> LoadedModel:
+        try:
+            family, config_cls = family_for(ck.config.get("model_type"))
+            cfg = config_cls.from_hf(ck.config)
+            params = family.pack_params(cfg, ck.tensors, dtype)
+        except CheckpointError:
+            raise
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"{ck.source}: {e}") from e
+        eos = ck.eos_token_ids
+        bad = [i for i in eos if not 0 <= i < cfg.vocab_size]
+        if bad:
+            raise CheckpointError(f"{ck.source}: eos ids {bad} outside vocab {cfg.vocab_size}")
+        return cls(ck.source, family, cfg, params, ck.tokenizer, eos)
+
+    @classmethod
+    def load(cls, spec: str, dtype: Any = jnp.float32, progress: bool = True) -> LoadedModel:
+        return cls.from_checkpoint(load_checkpoint(spec, progress=progress), dtype)

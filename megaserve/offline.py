@@ -1,0 +1,130 @@
+"""In-process generation over the paged KV pool: the engine behind `megaserve generate`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from kernels.kv_cache import KVPool
+from kernels.xla_step import SamplingArrays, StepConfig, XlaRunner
+from megaserve.errors import RequestError
+from megaserve.model import LoadedModel
+from megaserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    token_ids: list[int]
+    finish_reason: str  # "stop" (an EOS / stop id) or "length"
+
+
+class OfflineGenerator:
+    """One sequence at a time through the same prefill/decode programs the decode tier runs.
+
+    The pool is sized once for `max_context` so every call reuses the compiled programs.
+    """
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        page_size: int = 16,
+        max_context: int | None = None,
+        steps_per_call: int = 1,
+        prefill_chunk: int = 512,
+    ):
+        cfg = model.cfg
+        self.model = model
+        self.max_context = min(max_context or 4096, cfg.max_position_embeddings)
+        pages_per_seq = math.ceil((self.max_context + steps_per_call) / page_size)
+        self.pool = KVPool.create(
+            cfg.num_layers,
+            pages_per_seq + 1,
+            page_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            model.params["embed"].dtype,
+        )
+        self.prefill_chunk = prefill_chunk
+        step_cfg = StepConfig(
+            max_pages_per_seq=pages_per_seq,
+            steps_per_call=steps_per_call,
+            token_buckets=tuple(b for b in (16, 32, 64, 128, 256, 512) if b <= prefill_chunk)
+            or (prefill_chunk,),
+        )
+        self.runner = XlaRunner(model.family, cfg, model.params, self.pool, step_cfg)
+        # A single sequence owns pages 1..N in order; page 0 is the null page.
+        self.page_table = np.arange(1, pages_per_seq + 1, dtype=np.int32)[None, :]
+
+    def validate(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+        vocab = self.model.cfg.vocab_size
+        if not prompt_ids:
+            raise RequestError("prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(
+                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
+            )
+        if max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        if len(prompt_ids) + max_new_tokens > self.max_context:
+            raise RequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                f"the context length {self.max_context}"
+            )
+
+    def prefill(self, prompt_ids: list[int], sampling: SamplingParams) -> tuple[int, np.ndarray]:
+        """Writes the prompt's KV chunk by chunk; returns (first sampled token, its logits)."""
+        rows = SamplingArrays.build([sampling.as_row()])
+        ids = np.asarray(prompt_ids, np.int32)
+        for start in range(0, len(ids), self.prefill_chunk):
+            chunk = ids[start : start + self.prefill_chunk]
+            pos = np.arange(start, start + len(chunk), dtype=np.int32)
+            nxt, logits = self.runner.prefill(chunk[None], pos[None], self.page_table, rows)
+        return int(nxt[0]), logits[0]
+
+    def stream(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        sampling: SamplingParams | None = None,
+        ignore_eos: bool = False,
+        stop_token_ids: tuple[int, ...] = (),
+    ) -> Iterator[int]:
+        """Yields generated token ids as each device call returns them (stop id included)."""
+        sampling = sampling or SamplingParams()
+        self.validate(prompt_ids, max_new_tokens)
+        stops = set(stop_token_ids) | (set() if ignore_eos else set(self.model.eos_token_ids))
+        tok, _ = self.prefill(prompt_ids, sampling)
+        yield tok
+        count, last = 1, tok
+        rows = SamplingArrays.build([sampling.as_row()])
+        pos = len(prompt_ids)  # position of `last`
+        steps = self.runner.step_cfg.steps_per_call
+        while last not in stops and count < max_new_tokens:
+            toks, _ = self.runner.decode(
+                np.array([last], np.int32),
+                np.array([pos], np.int32),
+                self.page_table,
+                rows,
+                n_steps=steps,
+            )
+            for t in toks[: min(steps, max_new_tokens - count), 0].tolist():
+                count, last, pos = count + 1, int(t), pos + 1
+                yield last
+                if last in stops:
+                    break
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        sampling: SamplingParams | None = None,
+        ignore_eos: bool = False,
+        stop_token_ids: tuple[int, ...] = (),
+    ) -> GenerationResult:
+        out = list(self.stream(prompt_ids, max_new_tokens, sampling, ignore_eos, stop_token_ids))
+        stops = set(stop_token_ids) | (set() if ignore_eos else set(self.model.eos_token_ids))
+        return GenerationResult(out, "stop" if out[-1] in stops else "length")

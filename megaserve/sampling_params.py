@@ -1,0 +1,40 @@
+"""Per-request sampling and stopping parameters, validated at the edge."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megaserve.errors import RequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 is greedy; top_k 0, top_p 1 and min_p 0 disable their filters."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise RequestError(f"temperature={self.temperature} must be a finite number >= 0")
+        if self.top_k < 0:
+            raise RequestError(f"top_k={self.top_k} must be >= 0 (0 disables)")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+            raise RequestError(f"top_p={self.top_p} must be in (0, 1]")
+        if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
+            raise RequestError(f"min_p={self.min_p} must be in [0, 1]")
+        if not 0 <= self.seed < 2**32:
+            raise RequestError(f"seed={self.seed} must be in [0, 2**32)")
+
+    def as_row(self) -> dict:
+        return {
+            "temperature": self.temperature,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
+            "min_p": self.min_p,
+            "seed": self.seed,
+        }

@@ -1,0 +1,83 @@
+"""Shared fixtures: CPU-only JAX with a persistent compile cache, tiny models, SmolLM2."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "tests" / "fixtures"
+
+jax.config.update("jax_compilation_cache_dir", str(REPO / ".cache" / "jax"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def tiny_llama_config(**overrides) -> dict:
+    """A small HF-style Llama config dict (random weights come from `random_tensors`)."""
+    cfg = {
+        "model_type": "llama",
+        "vocab_size": 96,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 512,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def random_tensors(hf: dict, seed: int = 0, scale: float = 0.2) -> dict[str, np.ndarray]:
+    """HF-named random float32 tensors for a Llama-family config dict."""
+    rng = np.random.default_rng(seed)
+    d, f, v = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"]
+    hd = hf.get("head_dim") or d // hf["num_attention_heads"]
+    q, kv = hf["num_attention_heads"] * hd, hf["num_key_value_heads"] * hd
+
+    def r(*shape):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    t = {"model.embed_tokens.weight": r(v, d), "model.norm.weight": 1 + r(d)}
+    if not hf.get("tie_word_embeddings"):
+        t["lm_head.weight"] = r(v, d)
+    for i in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t |= {
+            p + "self_attn.q_proj.weight": r(q, d),
+            p + "self_attn.k_proj.weight": r(kv, d),
+            p + "self_attn.v_proj.weight": r(kv, d),
+            p + "self_attn.o_proj.weight": r(d, q),
+            p + "mlp.gate_proj.weight": r(f, d),
+            p + "mlp.up_proj.weight": r(f, d),
+            p + "mlp.down_proj.weight": r(d, f),
+            p + "input_layernorm.weight": 1 + r(d),
+            p + "post_attention_layernorm.weight": 1 + r(d),
+        }
+    return t
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    from megaserve.checkpoint import Checkpoint
+    from megaserve.model import LoadedModel
+
+    hf = tiny_llama_config()
+    return LoadedModel.from_checkpoint(Checkpoint("tiny", hf, random_tensors(hf), None, ()))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from megaserve.model import LoadedModel
+
+    return LoadedModel.load("smollm2", progress=False)
