@@ -164,16 +164,23 @@ def pack_params(
     if extra:
         raise ValueError(f"checkpoint has tensors this model does not use: {extra[:5]}")
     inv_freq, rope_scale = cfg.rope.inv_freq()
+    # One dict per layer (not stacked [L, ...]): an unrolled layer loop over separate buffers
+    # reads each weight once, whereas slicing a stacked array in a scan copied every layer's
+    # weights on XLA:CPU (SmolLM2 batch 1: 20.6 ms vs 34.2 ms for the matmuls alone).
+    n = cfg.num_layers
     return {
         "embed": jnp.asarray(embed, dtype),
         "lm_head": jnp.asarray(np.ascontiguousarray(lm_head.T), dtype),
         "final_norm": jnp.asarray(final_norm, jnp.float32),
         "inv_freq": jnp.asarray(inv_freq),
         "rope_scale": jnp.float32(rope_scale),
-        "layers": {
-            k: jnp.asarray(np.stack(v), jnp.float32 if v[0].ndim == 1 else dtype)
-            for k, v in layers.items()
-        },
+        "layers": [
+            {
+                k: jnp.asarray(v[i], jnp.float32 if v[i].ndim == 1 else dtype)
+                for k, v in layers.items()
+            }
+            for i in range(n)
+        ],
     }
 
 
@@ -243,16 +250,10 @@ def forward(
     h = params["embed"][tokens].astype(params["embed"].dtype)
     cos, sin = rope_cos_sin(positions, params["inv_freq"], params["rope_scale"])
 
-    def body(carry, xs):
-        h, kc, vc = carry
-        lp, li = xs
-        h, kc, vc = _layer(cfg, lp, h, cos, sin, positions, page_table, kc, vc, li)
-        return (h, kc, vc), None
-
-    layer_ids = jnp.arange(cfg.num_layers)
-    (h, k_cache, v_cache), _ = jax.lax.scan(
-        body, (h, k_cache, v_cache), (params["layers"], layer_ids)
-    )
+    for li, lp in enumerate(params["layers"]):
+        h, k_cache, v_cache = _layer(
+            cfg, lp, h, cos, sin, positions, page_table, k_cache, v_cache, li
+        )
     last = jnp.take_along_axis(h, logits_index[:, None, None], axis=1)[:, 0]
     last = rms_norm(last, params["final_norm"], cfg.rms_norm_eps)
     logits = (last @ params["lm_head"].astype(last.dtype)).astype(jnp.float32)

@@ -22,7 +22,7 @@ def contiguous_logits(cfg, params, ids: list[int]) -> np.ndarray:
     mask = jnp.tril(jnp.ones((t, t), bool))
     g = cfg.num_heads // cfg.num_kv_heads
     for li in range(cfg.num_layers):
-        lp = jax.tree_util.tree_map(lambda a, li=li: a[li], params["layers"])
+        lp = params["layers"][li]
         x = rms_norm(h, lp["ln_attn"], cfg.rms_norm_eps)
         qkv = x @ lp["wqkv"]
         q = qkv[..., : cfg.q_size].reshape(1, t, cfg.num_heads, cfg.head_dim)
