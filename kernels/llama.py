@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,88 +101,118 @@ class LlamaConfig:
         )
 
 
-def pack_params(
-    cfg: LlamaConfig, tensors: dict[str, np.ndarray], dtype: Any = jnp.float32
-) -> dict[str, Any]:
-    """Stacks per-layer HF tensors into the layout the forward uses.
+class TensorSource:
+    """HF-named tensors with shape checks; remembers what was used so leftovers are reported."""
 
-    Projections are stored [in, out] and fused (q|k|v, gate|up) so a decode step issues one
-    matmul per fused projection; lm_head is stored transposed even when tied, because reading
-    the embedding transposed cost ~34 ms/step more on XLA:CPU (PLATFORM.md).
-    """
-    used: set[str] = set()
+    def __init__(self, tensors: dict[str, np.ndarray]):
+        self.tensors = tensors
+        self.used: set[str] = set()
 
-    def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        if name not in tensors:
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in self.tensors:
             raise ValueError(f"checkpoint is missing tensor {name!r}")
-        t = np.asarray(tensors[name])
+        t = np.asarray(self.tensors[name])
         if tuple(t.shape) != shape:
             raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
-        used.add(name)
+        self.used.add(name)
         return t.astype(np.float32)
 
+    def check_all_used(self) -> None:
+        extra = sorted(
+            n for n in self.tensors if n not in self.used and not n.endswith("rotary_emb.inv_freq")
+        )
+        if extra:
+            raise ValueError(f"checkpoint has tensors this model does not use: {extra[:5]}")
+
+
+def pack_attention(cfg: LlamaConfig, src: TensorSource, i: int) -> dict[str, np.ndarray]:
+    """Layer i's norms and attention, projections [in, out] with q|k|v fused."""
+    d, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
+    p = f"model.layers.{i}."
+    wq = src.get(p + "self_attn.q_proj.weight", (q, d))
+    wk = src.get(p + "self_attn.k_proj.weight", (kv, d))
+    wv = src.get(p + "self_attn.v_proj.weight", (kv, d))
+    out = {
+        "wqkv": np.concatenate([wq, wk, wv], axis=0).T,
+        "wo": src.get(p + "self_attn.o_proj.weight", (d, q)).T,
+        "ln_attn": src.get(p + "input_layernorm.weight", (d,)),
+        "ln_mlp": src.get(p + "post_attention_layernorm.weight", (d,)),
+    }
+    if cfg.qkv_bias:
+        bq = src.get(p + "self_attn.q_proj.bias", (q,))
+        bk = src.get(p + "self_attn.k_proj.bias", (kv,))
+        bv = src.get(p + "self_attn.v_proj.bias", (kv,))
+        out["bqkv"] = np.concatenate([bq, bk, bv])
+    if cfg.o_bias:
+        out["bo"] = src.get(p + "self_attn.o_proj.bias", (d,))
+    if cfg.qk_norm:
+        out["q_norm"] = src.get(p + "self_attn.q_norm.weight", (cfg.head_dim,))
+        out["k_norm"] = src.get(p + "self_attn.k_norm.weight", (cfg.head_dim,))
+    return out
+
+
+def pack_dense_mlp(cfg: LlamaConfig, src: TensorSource, i: int) -> dict[str, np.ndarray]:
+    """Layer i's SwiGLU MLP with gate|up fused, [in, out]."""
     d, f = cfg.hidden_size, cfg.intermediate_size
-    q, kv = cfg.q_size, cfg.kv_size
-    layers: dict[str, list[np.ndarray]] = {}
+    p = f"model.layers.{i}.mlp."
+    gate = src.get(p + "gate_proj.weight", (f, d))
+    up = src.get(p + "up_proj.weight", (f, d))
+    return {
+        "w_gate_up": np.concatenate([gate, up], axis=0).T,
+        "w_down": src.get(p + "down_proj.weight", (d, f)).T,
+    }
 
-    def add(key: str, value: np.ndarray) -> None:
-        layers.setdefault(key, []).append(value)
 
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        wq = get(p + "self_attn.q_proj.weight", (q, d))
-        wk = get(p + "self_attn.k_proj.weight", (kv, d))
-        wv = get(p + "self_attn.v_proj.weight", (kv, d))
-        add("wqkv", np.concatenate([wq, wk, wv], axis=0).T)
-        add("wo", get(p + "self_attn.o_proj.weight", (d, q)).T)
-        gate = get(p + "mlp.gate_proj.weight", (f, d))
-        up = get(p + "mlp.up_proj.weight", (f, d))
-        add("w_gate_up", np.concatenate([gate, up], axis=0).T)
-        add("w_down", get(p + "mlp.down_proj.weight", (d, f)).T)
-        add("ln_attn", get(p + "input_layernorm.weight", (d,)))
-        add("ln_mlp", get(p + "post_attention_layernorm.weight", (d,)))
-        if cfg.qkv_bias:
-            bq = get(p + "self_attn.q_proj.bias", (q,))
-            bk = get(p + "self_attn.k_proj.bias", (kv,))
-            bv = get(p + "self_attn.v_proj.bias", (kv,))
-            add("bqkv", np.concatenate([bq, bk, bv]))
-        if cfg.o_bias:
-            add("bo", get(p + "self_attn.o_proj.bias", (d,)))
-        if cfg.qk_norm:
-            add("q_norm", get(p + "self_attn.q_norm.weight", (cfg.head_dim,)))
-            add("k_norm", get(p + "self_attn.k_norm.weight", (cfg.head_dim,)))
+def finish_params(
+    cfg: LlamaConfig, src: TensorSource, layers: list[dict[str, np.ndarray]], dtype: Any
+) -> dict[str, Any]:
+    """Adds embedding, final norm, lm_head and RoPE tables; moves everything to device.
 
-    embed = get("model.embed_tokens.weight", (cfg.vocab_size, d))
-    if "lm_head.weight" in tensors and not cfg.tie_word_embeddings:
-        lm_head = get("lm_head.weight", (cfg.vocab_size, d))
+    Layers stay one dict each (not stacked [L, ...]): an unrolled layer loop over separate
+    buffers reads each weight once, whereas slicing a stacked array in a scan copied every
+    layer's weights on XLA:CPU (SmolLM2 batch 1: 20.6 ms vs 34.2 ms for the matmuls alone).
+    lm_head is stored transposed even when tied, because reading the embedding transposed
+    cost ~34 ms/step more on XLA:CPU (PLATFORM.md).
+    """
+    d = cfg.hidden_size
+    embed = src.get("model.embed_tokens.weight", (cfg.vocab_size, d))
+    if "lm_head.weight" in src and not cfg.tie_word_embeddings:
+        lm_head = src.get("lm_head.weight", (cfg.vocab_size, d))
     elif cfg.tie_word_embeddings:
         lm_head = embed
-        used.add("lm_head.weight")
+        src.used.add("lm_head.weight")
     else:
         raise ValueError("checkpoint has no 'lm_head.weight' and tie_word_embeddings is false")
-    final_norm = get("model.norm.weight", (d,))
-    extra = sorted(n for n in tensors if n not in used and not n.endswith("rotary_emb.inv_freq"))
-    if extra:
-        raise ValueError(f"checkpoint has tensors this model does not use: {extra[:5]}")
+    final_norm = src.get("model.norm.weight", (d,))
+    src.check_all_used()
     inv_freq, rope_scale = cfg.rope.inv_freq()
-    # One dict per layer (not stacked [L, ...]): an unrolled layer loop over separate buffers
-    # reads each weight once, whereas slicing a stacked array in a scan copied every layer's
-    # weights on XLA:CPU (SmolLM2 batch 1: 20.6 ms vs 34.2 ms for the matmuls alone).
-    n = cfg.num_layers
+
+    def dev(a: np.ndarray):
+        # Norm weights and biases stay float32; matrices take the serving dtype.
+        return jnp.asarray(a, jnp.float32 if a.ndim == 1 else dtype)
+
     return {
         "embed": jnp.asarray(embed, dtype),
         "lm_head": jnp.asarray(np.ascontiguousarray(lm_head.T), dtype),
         "final_norm": jnp.asarray(final_norm, jnp.float32),
         "inv_freq": jnp.asarray(inv_freq),
         "rope_scale": jnp.float32(rope_scale),
-        "layers": [
-            {
-                k: jnp.asarray(v[i], jnp.float32 if v[i].ndim == 1 else dtype)
-                for k, v in layers.items()
-            }
-            for i in range(n)
-        ],
+        "layers": [{k: dev(np.ascontiguousarray(v)) for k, v in lp.items()} for lp in layers],
     }
+
+
+def pack_params(
+    cfg: LlamaConfig, tensors: dict[str, np.ndarray], dtype: Any = jnp.float32
+) -> dict[str, Any]:
+    """HF tensors -> the per-layer layout `forward` reads."""
+    src = TensorSource(tensors)
+    layers = [
+        pack_attention(cfg, src, i) | pack_dense_mlp(cfg, src, i) for i in range(cfg.num_layers)
+    ]
+    return finish_params(cfg, src, layers, dtype)
 
 
 def rms_norm(x: jnp.ndarray, w: jnp.ndarray, eps: float) -> jnp.ndarray:
@@ -191,7 +222,7 @@ def rms_norm(x: jnp.ndarray, w: jnp.ndarray, eps: float) -> jnp.ndarray:
     return w * (xf * jax.lax.rsqrt(var + eps)).astype(x.dtype)
 
 
-def _layer(cfg: LlamaConfig, lp: dict, h, cos, sin, positions, page_table, k_cache, v_cache, li):
+def _layer(cfg, lp, h, cos, sin, positions, page_table, k_cache, v_cache, li, mlp):
     """One decoder layer; returns (h, k_cache, v_cache) with this token's K/V written."""
     b, t, _ = h.shape
     x = rms_norm(h, lp["ln_attn"], cfg.rms_norm_eps)
@@ -216,10 +247,14 @@ def _layer(cfg: LlamaConfig, lp: dict, h, cos, sin, positions, page_table, k_cac
         o = o + lp["bo"]
     h = h + o
     x = rms_norm(h, lp["ln_mlp"], cfg.rms_norm_eps)
+    return h + mlp(cfg, lp, x), k_cache, v_cache
+
+
+def dense_mlp(cfg: LlamaConfig, lp: dict, x: jnp.ndarray) -> jnp.ndarray:
+    """SwiGLU on f32[B, T, D] with fused gate|up."""
     gu = x @ lp["w_gate_up"].astype(x.dtype)
-    gate, up = gu[..., : cfg.intermediate_size], gu[..., cfg.intermediate_size :]
-    h = h + (jax.nn.silu(gate) * up) @ lp["w_down"].astype(x.dtype)
-    return h, k_cache, v_cache
+    f = gu.shape[-1] // 2
+    return (jax.nn.silu(gu[..., :f]) * gu[..., f:]) @ lp["w_down"].astype(x.dtype)
 
 
 def forward(
@@ -231,6 +266,7 @@ def forward(
     v_cache: jnp.ndarray,
     page_table: jnp.ndarray,
     logits_index: jnp.ndarray,
+    mlp: Callable = None,
 ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
     """Runs new tokens of a batch of sequences through the model over a paged KV cache.
 
@@ -244,6 +280,7 @@ def forward(
       k_cache, v_cache: [L, num_pages, page_size, Hkv, D] pools (donate them under jit).
       page_table: i32[B, P] pages of each sequence; pad with the null page 0.
       logits_index: i32[B] which of the T positions to project to logits.
+      mlp: (cfg, layer_params, x) -> f32[B, T, D]; families with other MLPs (MoE) pass theirs.
     Returns:
       (f32[B, V] logits, k_cache, v_cache).
     """
@@ -252,7 +289,7 @@ def forward(
 
     for li, lp in enumerate(params["layers"]):
         h, k_cache, v_cache = _layer(
-            cfg, lp, h, cos, sin, positions, page_table, k_cache, v_cache, li
+            cfg, lp, h, cos, sin, positions, page_table, k_cache, v_cache, li, mlp or dense_mlp
         )
     last = jnp.take_along_axis(h, logits_index[:, None, None], axis=1)[:, 0]
     last = rms_norm(last, params["final_norm"], cfg.rms_norm_eps)

@@ -33,8 +33,10 @@ def write_kv(
     page = jnp.take_along_axis(page_table, safe_pos // page_size, axis=1)
     page = jnp.where(valid, page, NULL_PAGE)
     slot = jnp.where(valid, safe_pos % page_size, 0)
+    # Every index is in range by construction (padding goes to the null page), so skip the
+    # out-of-bounds handling XLA would otherwise emit around the scatter.
     return cache.at[layer, page.reshape(-1), slot.reshape(-1)].set(
-        new.reshape(-1, *new.shape[2:]).astype(cache.dtype)
+        new.reshape(-1, *new.shape[2:]).astype(cache.dtype), mode="promise_in_bounds"
     )
 
 
@@ -60,8 +62,10 @@ def paged_attention(
     b, t, hq, d = q.shape
     hkv = k_layer.shape[2]
     group = hq // hkv
-    keys = k_layer[page_table].reshape(b, -1, hkv, d)  # [B, S, Hkv, D]
-    vals = v_layer[page_table].reshape(b, -1, hkv, d)
+    # mode="clip": page ids are in range by construction; the default fill mode's bounds
+    # handling made this gather ~2x slower on XLA:CPU.
+    keys = jnp.take(k_layer, page_table, axis=0, mode="clip").reshape(b, -1, hkv, d)
+    vals = jnp.take(v_layer, page_table, axis=0, mode="clip").reshape(b, -1, hkv, d)
     qg = q.reshape(b, t, hkv, group, d)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys.astype(q.dtype)) * scale
     s_idx = jnp.arange(keys.shape[1])

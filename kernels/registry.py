@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from kernels import llama
+from kernels import llama, qwen3_moe
 
 _FAMILIES: dict[str, tuple[ModuleType, type]] = {
     **{mt: (llama, llama.LlamaConfig) for mt in llama.MODEL_TYPES},
+    **{mt: (qwen3_moe, qwen3_moe.Qwen3MoeConfig) for mt in qwen3_moe.MODEL_TYPES},
 }
 
 

@@ -81,3 +81,49 @@ def smollm2():
     from megaserve.model import LoadedModel
 
     return LoadedModel.load("smollm2", progress=False)
+
+
+def tiny_moe_config(**overrides) -> dict:
+    """A small HF-style qwen3_moe config (layer 1 dense via mlp_only_layers)."""
+    cfg = tiny_llama_config(model_type="qwen3_moe", num_hidden_layers=3) | {
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [1],
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def random_moe_tensors(hf: dict, seed: int = 0, scale: float = 0.2) -> dict[str, np.ndarray]:
+    """HF-named random tensors for a qwen3_moe config, experts stored per expert as on disk."""
+    rng = np.random.default_rng(seed + 1)
+    t = random_tensors(hf | {"model_type": "llama"}, seed, scale)
+    d, f, e = hf["hidden_size"], hf["moe_intermediate_size"], hf["num_experts"]
+    hd = hf["head_dim"]
+    for i in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t[p + "self_attn.q_norm.weight"] = (1 + scale * rng.standard_normal(hd)).astype(np.float32)
+        t[p + "self_attn.k_norm.weight"] = (1 + scale * rng.standard_normal(hd)).astype(np.float32)
+        if i in hf["mlp_only_layers"]:
+            continue
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            del t[p + f"mlp.{name}.weight"]
+        t[p + "mlp.gate.weight"] = rng.standard_normal((e, d)).astype(np.float32)
+        for j in range(e):
+            q = p + f"mlp.experts.{j}."
+            t[q + "gate_proj.weight"] = (scale * rng.standard_normal((f, d))).astype(np.float32)
+            t[q + "up_proj.weight"] = (scale * rng.standard_normal((f, d))).astype(np.float32)
+            t[q + "down_proj.weight"] = (scale * rng.standard_normal((d, f))).astype(np.float32)
+    return t
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_model():
+    from megaserve.checkpoint import Checkpoint
+    from megaserve.model import LoadedModel
+
+    hf = tiny_moe_config()
+    return LoadedModel.from_checkpoint(Checkpoint("tiny-moe", hf, random_moe_tensors(hf), None, ()))

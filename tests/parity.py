@@ -32,6 +32,11 @@ def cli_generate_json(*args: str) -> dict:
 def check_tiny_checkpoint(d: Path) -> None:
     """Greedy tokens through the CLI and last-position logits against reference.json."""
     ref = json.loads((d / "reference.json").read_text())
+    if "lowest_index_first" in ref:
+        # Exact router ties: torch.topk on CPU breaks them inconsistently (nth_element), so the
+        # reference is transformers with its routers patched to prefer the lower expert index,
+        # the rule lax.top_k (and a stable sort) follows.
+        ref = ref | ref["lowest_index_first"]
     prompt, want = ref["prompt_ids"], ref["greedy_ids"]
     got = cli_generate_json(
         "--checkpoint",

@@ -42,7 +42,7 @@ def test_tiny_checkpoint_matches_transformers(d):
 @pytest.mark.skipif(not REF_PYTHON.exists(), reason="no .venv-ref (make ref-env)")
 def test_live_transformers_comparison(tmp_path):
     """Fresh random checkpoints (a seed never committed) made and run by transformers now."""
-    names = ["llama_gqa4", "qwen3_qknorm", "llama_rope_llama3_v4", "qwen2_bias"]
+    names = ["llama_gqa4", "qwen3_qknorm", "llama_rope_llama3_v4", "qwen2_bias", "qwen3_moe_e8k2"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     cmd = [
         str(REF_PYTHON),

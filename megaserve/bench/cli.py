@@ -32,6 +32,13 @@ def add_bench(sub) -> None:
     d.add_argument("--ref-python", default=str(REPO / ".venv-ref" / "bin" / "python"))
     d.add_argument("--json-out", help="also write all rows to this JSON file")
     d.set_defaults(func=cmd_bench_decode)
+    m = bsub.add_parser("moe", help="MoE decode on a random Qwen3-MoE: served vs dense experts")
+    m.add_argument("--batch", default="1,8,32")
+    m.add_argument("--context", type=int, default=512)
+    m.add_argument("--steps", type=int, default=10)
+    m.add_argument("--warmup", type=int, default=2)
+    m.add_argument("--json-out")
+    m.set_defaults(func=cmd_bench_moe)
 
 
 def _peer_rows(a, gguf: Path, batches: list[int]) -> list[dict]:
@@ -131,3 +138,34 @@ def _print_table(rows: list[dict], bw: float) -> None:
             f"{r['engine']:<16}{r['precision']:<6}{r['batch']:>6}{r['context']:>6}"
             f"{r['ms_per_step']:>10.1f}{r['tokens_per_s']:>10.1f}{mb:>9}{fl:>10}{fr:>9}"
         )
+
+
+def cmd_bench_moe(a: argparse.Namespace) -> int:
+    from megaserve.bench.decode import measure_read_bandwidth
+    from megaserve.bench.moe import bench_moe, random_moe_model
+
+    model = random_moe_model()
+    bw = measure_read_bandwidth()
+    rows = []
+    for impl in ("auto", "dense"):
+        for b in (int(x) for x in a.batch.split(",")):
+            rows.append(bench_moe(model, b, a.context, a.steps, a.warmup, bw, impl))
+    cfg = model.cfg
+    print(
+        f"# MoE decode: {cfg.num_layers} layers, {cfg.num_experts} experts, top-{cfg.top_k}, "
+        f"read bandwidth {bw / 1e9:.1f} GB/s"
+    )
+    print(
+        f"{'engine':<26}{'batch':>6}{'ms/step':>9}{'tok/s':>8}{'dense MB':>9}{'expert MB':>10}"
+        f"{'KV MB':>7}{'experts/layer':>14}{'of floor':>9}"
+    )
+    for r in rows:
+        print(
+            f"{r['engine']:<26}{r['batch']:>6}{r['ms_per_step']:>9.1f}{r['tokens_per_s']:>8.1f}"
+            f"{r['dense_bytes'] / 1e6:>9.1f}{r['expert_bytes_read'] / 1e6:>10.1f}"
+            f"{r['kv_bytes'] / 1e6:>7.1f}{r['distinct_experts_per_layer']:>14.1f}"
+            f"{100 * r['floor_fraction']:>8.0f}%"
+        )
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps({"bandwidth_Bps": bw, "rows": rows}, indent=1))
+    return 0

@@ -1,0 +1,81 @@
+"""Mixture-of-experts MLP: top-k softmax router; compute that reads only selected experts."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def route(
+    router: jnp.ndarray, x: jnp.ndarray, top_k: int, norm_topk_prob: bool
+) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Top-k of the softmax router, as transformers' Qwen3-MoE.
+
+    Args:
+      router: f32[D, E]; x: f32[N, D].
+    Returns:
+      (f32[N, k] weights, i32[N, k] expert ids); ties go to the lower expert id (lax.top_k,
+      like torch.topk on CPU).
+    """
+    probs = jax.nn.softmax((x @ router).astype(jnp.float32), axis=-1)
+    w, idx = jax.lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        w = w / jnp.sum(w, axis=-1, keepdims=True)
+    return w.astype(x.dtype), idx
+
+
+def _swiglu(gu: jnp.ndarray) -> jnp.ndarray:
+    f = gu.shape[-1] // 2
+    return jax.nn.silu(gu[..., :f]) * gu[..., f:]
+
+
+def moe_gather(w_gate_up, w_down, weights, idx, x) -> jnp.ndarray:
+    """Decode path: fetch each distinct selected expert once, then mix.
+
+    The batch's distinct expert ids are gathered (padding slots use an out-of-range id, so the
+    gather fills zeros instead of reading an expert): bytes read = distinct experts x expert
+    size, never the whole expert stack.
+
+    Args:
+      w_gate_up: f32[E, D, 2I]; w_down: f32[E, I, D]; weights/idx: [N, k]; x: f32[N, D].
+    Returns:
+      f32[N, D].
+    """
+    e = w_gate_up.shape[0]
+    n, k = idx.shape
+    u = min(e, n * k)
+    uniq = jnp.unique(idx.reshape(-1), size=u, fill_value=e)  # sorted, padded with e
+    wgu = jnp.take(w_gate_up, uniq, axis=0, mode="fill", fill_value=0)  # [U, D, 2I]
+    wdn = jnp.take(w_down, uniq, axis=0, mode="fill", fill_value=0)  # [U, I, D]
+    # coef[n, u]: routing weight token n gives the expert in slot u (0 if not selected).
+    coef = jnp.sum(weights[:, :, None] * (idx[:, :, None] == uniq[None, None, :]), axis=1)
+    act = _swiglu(jnp.einsum("nd,udi->nui", x, wgu))
+    y = jnp.einsum("nui,uid->nud", act, wdn)
+    # Summing slots in ascending expert order matches transformers' per-expert index_add.
+    return jnp.einsum("nu,nud->nd", coef, y)
+
+
+def moe_grouped(w_gate_up, w_down, weights, idx, x) -> jnp.ndarray:
+    """Prefill path: (token, expert) pairs sorted by expert, one grouped matmul per weight.
+
+    `lax.ragged_dot` multiplies each contiguous group by its expert (a grouped GEMM on TPU).
+
+    Args/Returns: as `moe_gather`.
+    """
+    e = w_gate_up.shape[0]
+    n, k = idx.shape
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    act = _swiglu(jax.lax.ragged_dot(x[token], w_gate_up, sizes))
+    y = jax.lax.ragged_dot(act, w_down, sizes) * weights.reshape(-1)[order][:, None]
+    return jnp.zeros_like(x).at[token].add(y)
+
+
+def moe_dense(w_gate_up, w_down, weights, idx, x) -> jnp.ndarray:
+    """Reference: every expert on every token, masked by the routing (reads all experts)."""
+    e = w_gate_up.shape[0]
+    coef = jnp.sum(weights[:, :, None] * (idx[:, :, None] == jnp.arange(e)), axis=1)  # [N, E]
+    act = _swiglu(jnp.einsum("nd,edi->nei", x, w_gate_up))
+    return jnp.einsum("ne,ned->nd", coef, jnp.einsum("nei,eid->ned", act, w_down))

@@ -1,0 +1,93 @@
+"""Page allocator: refcounts, prefix sharing, LRU eviction; invariants after every scenario."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from decode_service.page_allocator import OutOfPages, PageAllocator
+from megaserve.block_hash import block_hashes
+
+
+@pytest.fixture
+def alloc():
+    a = PageAllocator(num_pages=9, page_size=4)
+    yield a
+    a.check_invariants()
+
+
+def test_allocate_release_returns_to_free(alloc):
+    pages = alloc.allocate(5)
+    assert 0 not in pages and len(set(pages)) == 5 and alloc.num_available == 3
+    alloc.release(pages)
+    assert alloc.num_available == 8 and alloc.all_free_or_cached()
+
+
+def test_prefix_sharing_and_lru_eviction(alloc):
+    tokens = list(range(12))
+    hashes = block_hashes(tokens, 4)
+    pages = alloc.allocate(3)
+    for p, h in zip(pages, hashes):
+        assert alloc.register(p, h) == p
+    alloc.release(pages)  # cached, not free
+    assert alloc.match_prefix(hashes) == pages
+    # A request sharing the first two blocks reuses them.
+    other = block_hashes(tokens[:8] + [99, 98, 97, 96], 4)
+    hit = alloc.match_prefix(other)
+    assert hit == pages[:2]
+    alloc.acquire(hit)
+    assert alloc.ref[pages[0]] == 1
+    # Exhaust the pool: the one unreferenced cached page (block 3) is evicted, LRU first.
+    fresh = alloc.allocate(alloc.num_available)
+    assert pages[2] in fresh and alloc.evictions == 1
+    assert alloc.match_prefix(hashes) == pages[:2]
+    with pytest.raises(OutOfPages, match="need 1 pages, 0 available"):
+        alloc.allocate(1)
+    alloc.release(fresh)
+    alloc.release(hit)
+
+
+def test_chained_hash_names_whole_prefix():
+    a = block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4)
+    b = block_hashes([9, 2, 3, 4, 5, 6, 7, 8], 4)
+    assert a[1] != b[1]  # same second block, different prefix
+    assert block_hashes([1, 2, 3], 4) == []  # partial blocks are never hashed
+
+
+def test_duplicate_register_returns_existing(alloc):
+    p1, p2 = alloc.allocate(2)
+    assert alloc.register(p1, 42) == p1
+    assert alloc.register(p2, 42) == p1
+    alloc.release([p1, p2])
+    assert alloc.ref[p2] == 0 and p2 in alloc.free
+
+
+def test_random_workload_keeps_invariants():
+    rng = random.Random(0)
+    a = PageAllocator(num_pages=33, page_size=4)
+    live: list[list[int]] = []
+    for _ in range(2000):
+        if live and (rng.random() < 0.45 or a.num_available == 0):
+            pages = live.pop(rng.randrange(len(live)))
+            a.release(pages)
+        else:
+            prefix = [rng.randrange(3)] * 4 * rng.randrange(1, 4)
+            hashes = block_hashes(prefix, 4)
+            hit = a.match_prefix(hashes)
+            a.acquire(hit)
+            need = rng.randrange(1, 4)
+            try:
+                new = a.allocate(need)
+            except OutOfPages:
+                a.release(hit)
+                continue
+            for p, h in zip(new, hashes[len(hit) :]):
+                if a.register(p, h) != p:
+                    pass  # an equal block exists; this copy stays private
+            live.append(hit + new)
+        a.check_invariants()
+    for pages in live:
+        a.release(pages)
+    a.check_invariants()
+    assert a.all_free_or_cached()
