@@ -49,10 +49,13 @@ def moe_gather(w_gate_up, w_down, weights, idx, x) -> jnp.ndarray:
     wdn = jnp.take(w_down, uniq, axis=0, mode="fill", fill_value=0)  # [U, I, D]
     # coef[n, u]: routing weight token n gives the expert in slot u (0 if not selected).
     coef = jnp.sum(weights[:, :, None] * (idx[:, :, None] == uniq[None, None, :]), axis=1)
-    act = _swiglu(jnp.einsum("nd,udi->nui", x, wgu))
-    y = jnp.einsum("nui,uid->nud", act, wdn)
+    # Expert-major batched matmuls (batch dim leading on both sides) keep XLA from re-laying
+    # out the gathered weights; x is broadcast, which costs U x N x D floats, not weights.
+    xb = jnp.broadcast_to(x[None], (u, n, x.shape[-1]))
+    act = _swiglu(jnp.einsum("und,udi->uni", xb, wgu))
+    y = jnp.einsum("uni,uid->und", act, wdn)
     # Summing slots in ascending expert order matches transformers' per-expert index_add.
-    return jnp.einsum("nu,nud->nd", coef, y)
+    return jnp.einsum("nu,und->nd", coef, y)
 
 
 def moe_grouped(w_gate_up, w_down, weights, idx, x) -> jnp.ndarray:
