@@ -24,6 +24,9 @@ lint: $(VENV)
 test: $(VENV) $(REF) lint
 	.venv/bin/python -m pytest
 
+protos: $(VENV)
+	scripts/gen_protos.sh
+
 bench: $(VENV)
 	.venv/bin/megaserve bench decode
 

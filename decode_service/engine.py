@@ -1,0 +1,262 @@
+"""The decode loop: one thread runs scheduler plans on the XLA runner and emits tokens."""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from decode_service.page_allocator import PageAllocator
+from decode_service.scheduler import Scheduler, SchedulerConfig
+from decode_service.sequence import Sequence
+from kernels.kv_cache import KVPool
+from kernels.xla_step import SamplingArrays, StepConfig, XlaRunner
+from megaserve.errors import RequestError
+from megaserve.model import LoadedModel
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    page_size: int = 16
+    kv_budget_bytes: int = 256 * 2**20  # the pool is sized from this
+    max_context: int = 2048  # prompt + output tokens per sequence
+    scheduler: SchedulerConfig = SchedulerConfig()
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """Tokens a request produced in one step; `finish_reason` set on its last event."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None
+    step: int
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class Full(Exception):
+    """The waiting queue is full (RESOURCE_EXHAUSTED)."""
+
+
+class DecodeEngine:
+    """Owns the pool, allocator, scheduler and runner; `submit` is safe from any thread."""
+
+    def __init__(self, model: LoadedModel, cfg: EngineConfig = EngineConfig()):
+        self.model, self.cfg = model, cfg
+        mc = model.cfg
+        probe = KVPool.create(mc.num_layers, 2, cfg.page_size, mc.num_kv_heads, mc.head_dim)
+        n_pages = KVPool.pages_for_budget(cfg.kv_budget_bytes, probe.bytes_per_page // 2 * 2)
+        del probe
+        self.pool = KVPool.create(
+            mc.num_layers,
+            n_pages,
+            cfg.page_size,
+            mc.num_kv_heads,
+            mc.head_dim,
+            model.params["embed"].dtype,
+        )
+        self.alloc = PageAllocator(n_pages, cfg.page_size)
+        self.sched = Scheduler(cfg.scheduler, self.alloc)
+        self.max_pages_per_seq = math.ceil(cfg.max_context / cfg.page_size)
+        buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < cfg.scheduler.max_running)
+        step_cfg = StepConfig(
+            batch_buckets=buckets + (cfg.scheduler.max_running,),
+            token_buckets=tuple(
+                b for b in (16, 32, 64, 128, 256, 512) if b < cfg.scheduler.prefill_chunk
+            )
+            + (cfg.scheduler.prefill_chunk,),
+            max_pages_per_seq=self.max_pages_per_seq,
+        )
+        self.runner = XlaRunner(model.family, mc, model.params, self.pool, step_cfg)
+        self.steps = 0
+        self._inbox: queue.Queue = queue.Queue()
+        self._cancel: set[str] = set()
+        self._lock = threading.Lock()
+        self._live: dict[str, Sequence] = {}
+        self._sinks: dict[str, Callable[[TokenEvent], None]] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- caller side -------------------------------------------------------------------
+    def validate(self, prompt: list[int], max_tokens: int) -> None:
+        vocab = self.model.cfg.vocab_size
+        if not prompt:
+            raise RequestError("prompt_token_ids is empty")
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(
+                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
+            )
+        if max_tokens < 1:
+            raise RequestError(f"max_tokens={max_tokens} must be >= 1")
+        if len(prompt) + max_tokens > self.cfg.max_context:
+            raise RequestError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the context "
+                f"limit {self.cfg.max_context}"
+            )
+        pages = -(-(len(prompt) + max_tokens) // self.cfg.page_size)
+        if pages > self.alloc.num_pages - 1:
+            raise RequestError(
+                f"request needs {pages} pages, the whole pool has {self.alloc.num_pages - 1}"
+            )
+
+    def submit(self, seq: Sequence, sink: Callable[[TokenEvent], None]) -> None:
+        """Queues seq; sink(event) is called from the engine thread for each step's tokens."""
+        self.validate(seq.prompt, seq.max_tokens)
+        with self._lock:
+            if seq.request_id in self._live:
+                raise RequestError(f"request_id {seq.request_id!r} is already running")
+            if len(self.sched.waiting) + self._inbox.qsize() >= self.cfg.scheduler.max_waiting:
+                raise Full(f"queue full ({self.cfg.scheduler.max_waiting} waiting); retry later")
+            self._live[seq.request_id] = seq
+            self._sinks[seq.request_id] = sink
+        self._inbox.put(seq)
+        self._wake.set()
+
+    def cancel(self, request_id: str) -> bool:
+        with self._lock:
+            known = request_id in self._live
+            if known:
+                self._cancel.add(request_id)
+        self._wake.set()
+        return known
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="decode-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread:
+            self._thread.join(timeout=30)
+
+    @property
+    def idle(self) -> bool:
+        return not self._live
+
+    # -- engine thread -----------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self.run_once():
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
+
+    def run_once(self) -> bool:
+        """One iteration: admit, at most one prefill chunk, one decode step. True if worked."""
+        while True:
+            try:
+                self.sched.add(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        self._apply_cancels()
+        plan = self.sched.plan()
+        worked = False
+        if plan.prefill is not None:
+            self._run_prefill(plan.prefill, plan.prefill_tokens, plan.prefill_start)
+            worked = True
+        if plan.decode:
+            self._run_decode(plan.decode)
+            worked = True
+        return worked
+
+    def _apply_cancels(self) -> None:
+        with self._lock:
+            cancels, self._cancel = self._cancel, set()
+        for rid in cancels:
+            seq = self._live.get(rid)
+            if seq is not None:
+                self._finish(seq, "abort", [])
+
+    def _rows(self, seqs: list[Sequence]) -> SamplingArrays:
+        return SamplingArrays.build([s.sampling.as_row() for s in seqs])
+
+    def _table(self, seqs: list[Sequence]) -> np.ndarray:
+        width = max(len(s.pages) for s in seqs)
+        t = np.zeros((len(seqs), width), np.int32)
+        for i, s in enumerate(seqs):
+            t[i, : len(s.pages)] = s.pages
+        return t
+
+    def _run_prefill(self, seq: Sequence, chunk: list[int], start: int) -> None:
+        pos = np.arange(start, start + len(chunk), dtype=np.int32)
+        nxt, _ = self.runner.prefill(
+            np.array([chunk], np.int32), pos[None], self._table([seq]), self._rows([seq])
+        )
+        if self.sched.prefill_done(seq, len(chunk)):
+            first = not seq.output
+            self._emit(seq, [int(nxt[0])], first=first)
+
+    def _run_decode(self, seqs: list[Sequence]) -> None:
+        tokens = np.array([s.tokens[-1] for s in seqs], np.int32)
+        pos = np.array([len(s.tokens) - 1 for s in seqs], np.int32)
+        toks, _ = self.runner.decode(tokens, pos, self._table(seqs), self._rows(seqs), n_steps=1)
+        self.steps += 1
+        for s, t in zip(seqs, toks[0].tolist()):
+            s.num_computed = len(s.tokens)
+            self.sched.register_full_pages(s)
+            self._emit(s, [int(t)])
+
+    def _emit(self, seq: Sequence, new: list[int], first: bool = False) -> None:
+        seq.output.extend(new)
+        reason = None
+        if new[-1] in seq.stop_ids:
+            reason = "stop"
+        elif len(seq.output) >= seq.max_tokens:
+            reason = "length"
+        if reason:
+            self._finish(seq, reason, new, first)
+        else:
+            self._send(seq, new, None, first)
+
+    def _finish(self, seq: Sequence, reason: str, new: list[int], first: bool = False) -> None:
+        self.sched.finish(seq, reason)
+        self._send(seq, new, reason, first)
+        with self._lock:
+            self._live.pop(seq.request_id, None)
+            self._sinks.pop(seq.request_id, None)
+
+    def _send(self, seq: Sequence, new: list[int], reason: str | None, first: bool) -> None:
+        sink = self._sinks.get(seq.request_id)
+        if sink is None:
+            return
+        sink(
+            TokenEvent(
+                seq.request_id,
+                new,
+                reason,
+                self.steps,
+                len(seq.prompt) if first else 0,
+                seq.num_cached_tokens if first else 0,
+            )
+        )
+
+    def stats(self) -> dict:
+        a = self.alloc
+        return {
+            "total_pages": a.num_pages - 1,
+            "free_pages": len(a.free),
+            "cached_pages": len(a.lru),
+            "running": len(self.sched.running) + len(self.sched.prefilling),
+            "waiting": len(self.sched.waiting) + self._inbox.qsize(),
+            "reserved": 0,
+            "steps": self.steps,
+            "preemptions": self.sched.preemptions,
+            "page_size": a.page_size,
+        }
+
+
+def wait_idle(engine: DecodeEngine, timeout: float = 30.0) -> None:
+    """Blocks until no request is live (tests and graceful shutdown)."""
+    end = time.monotonic() + timeout
+    while not engine.idle:
+        if time.monotonic() > end:
+            raise TimeoutError(f"engine still has {len(engine._live)} live requests")
+        time.sleep(0.01)

@@ -1,0 +1,147 @@
+"""Continuous batching: FCFS admission, chunked prefill interleaved with decode, preemption."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from decode_service.page_allocator import OutOfPages, PageAllocator
+from decode_service.sequence import SeqState, Sequence
+from megaserve.block_hash import block_hashes
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running: int = 64  # sequences in the decode batch
+    max_waiting: int = 256  # queued requests beyond which admission says RESOURCE_EXHAUSTED
+    prefill_chunk: int = 256  # prompt tokens computed per step, so decode keeps streaming
+
+
+@dataclass
+class StepPlan:
+    """What one engine iteration runs: at most one prefill chunk, then one decode step."""
+
+    prefill: Sequence | None
+    prefill_tokens: list[int]
+    prefill_start: int
+    decode: list[Sequence]
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, alloc: PageAllocator):
+        self.cfg, self.alloc = cfg, alloc
+        self.waiting: deque[Sequence] = deque()
+        self.prefilling: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+
+    @property
+    def page_size(self) -> int:
+        return self.alloc.page_size
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def _admit(self) -> None:
+        """Moves waiting sequences in FCFS order into prefill while pages and slots allow."""
+        while self.waiting and len(self.running) + len(self.prefilling) < self.cfg.max_running:
+            seq = self.waiting[0]
+            tokens = seq.tokens
+            # Reuse cached full blocks, but always recompute the last token for its logits.
+            hashes = block_hashes(tokens[: len(tokens) - 1], self.page_size)
+            hit = self.alloc.match_prefix(hashes)
+            self.alloc.acquire(hit)
+            need = -(-len(tokens) // self.page_size) - len(hit)
+            try:
+                fresh = self.alloc.allocate(need)
+            except OutOfPages:
+                self.alloc.release(hit)
+                return  # head-of-line waits: FCFS
+            self.waiting.popleft()
+            seq.pages = hit + fresh
+            seq.num_computed = len(hit) * self.page_size
+            seq.num_registered = len(hit)
+            if not seq.output:
+                seq.num_cached_tokens = seq.num_computed
+            seq.state = SeqState.PREFILL
+            self.prefilling.append(seq)
+
+    def _grow(self, seq: Sequence) -> bool:
+        """Makes sure seq has a page for the KV its next step writes; preempts if the pool is full.
+
+        A decode step writes the KV of the last token, at position len(tokens) - 1.
+        """
+        while seq.pages_needed(len(seq.tokens), self.page_size) > 0:
+            try:
+                seq.pages += self.alloc.allocate(1)
+            except OutOfPages:
+                victim = self._pick_victim(exclude=seq)
+                if victim is None:
+                    return False
+                self.preempt(victim)
+        return True
+
+    def _pick_victim(self, exclude: Sequence) -> Sequence | None:
+        """The most recently arrived sequence holding pages (vLLM's recompute policy)."""
+        holders = [s for s in [*self.running, *self.prefilling] if s is not exclude and s.pages]
+        return max(holders, key=lambda s: s.arrival_step) if holders else None
+
+    def preempt(self, seq: Sequence) -> None:
+        """Frees seq's pages; it re-enters the queue front and recomputes prompt + output."""
+        self.alloc.release(seq.pages)
+        seq.pages, seq.num_computed, seq.num_registered = [], 0, 0
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.prefilling:
+            self.prefilling.remove(seq)
+        seq.state = SeqState.WAITING
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def plan(self) -> StepPlan:
+        self._admit()
+        prefill, chunk, start = None, [], 0
+        if self.prefilling:
+            prefill = self.prefilling[0]
+            start = prefill.num_computed
+            chunk = prefill.tokens[start : start + self.cfg.prefill_chunk]
+        decode = []
+        for seq in list(self.running):
+            if seq in self.running and self._grow(seq):
+                decode.append(seq)
+        decode = [s for s in decode if s in self.running]
+        return StepPlan(prefill, chunk, start, decode)
+
+    def prefill_done(self, seq: Sequence, n: int) -> bool:
+        """Records n computed prompt tokens; True when the prompt is complete."""
+        seq.num_computed += n
+        self.register_full_pages(seq)
+        if seq.num_computed < len(seq.tokens):
+            return False
+        self.prefilling.remove(seq)
+        seq.state = SeqState.RUNNING
+        self.running.append(seq)
+        return True
+
+    def register_full_pages(self, seq: Sequence) -> None:
+        """Publishes newly completed pages to the prefix cache."""
+        full = seq.num_computed // self.page_size
+        if full <= seq.num_registered:
+            return
+        hashes = block_hashes(seq.tokens[: full * self.page_size], self.page_size)
+        for i in range(seq.num_registered, full):
+            self.alloc.register(seq.pages[i], hashes[i])
+        seq.num_registered = full
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Releases seq's pages (full pages stay cached for reuse) and drops it."""
+        seq.finish_reason, seq.state = reason, SeqState.FINISHED
+        for q in (self.running,):
+            if seq in q:
+                q.remove(seq)
+        if seq in self.prefilling:
+            self.prefilling.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.alloc.release(seq.pages)
+        seq.pages = []

@@ -1,0 +1,46 @@
+"""One request's state inside a decode worker."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from megaserve.sampling_params import SamplingParams
+
+
+class SeqState(enum.Enum):
+    WAITING = "waiting"  # queued; owns no pages
+    PREFILL = "prefill"  # admitted; prompt KV being computed chunk by chunk
+    RUNNING = "running"  # in the decode batch
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """Tokens, pages and stopping state of one request."""
+
+    request_id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    stop_ids: frozenset[int]
+    output: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in the pages
+    num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache
+    num_registered: int = 0  # full pages already published to the prefix cache
+    state: SeqState = SeqState.WAITING
+    finish_reason: str | None = None
+    arrival_step: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt plus output: what the KV must cover (the last token's KV comes next step)."""
+        return self.prompt + self.output
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.state == SeqState.PREFILL
+
+    def pages_needed(self, num_tokens: int, page_size: int) -> int:
+        return -(-num_tokens // page_size) - len(self.pages)

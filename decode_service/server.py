@@ -1,0 +1,116 @@
+"""The decode worker's gRPC server (grpc.aio): Generate streams, Release, Stats, health."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from decode_service.engine import DecodeEngine, Full, TokenEvent
+from decode_service.sequence import Sequence
+from megaserve.errors import RequestError
+from megaserve.rpc import decode_pb2, decode_pb2_grpc
+from megaserve.sampling_params import SamplingParams
+
+_FINISH = {
+    None: decode_pb2.FINISH_REASON_UNSPECIFIED,
+    "stop": decode_pb2.FINISH_REASON_STOP,
+    "length": decode_pb2.FINISH_REASON_LENGTH,
+}
+SERVICE = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
+
+
+def sampling_from_proto(p: decode_pb2.SamplingParams) -> SamplingParams:
+    """Proto -> validated params; top_p 0 (unset) means disabled."""
+    top_p = 1.0 if p.top_p == 0 else p.top_p
+    if not math.isfinite(p.temperature):
+        raise RequestError(f"temperature={p.temperature} must be finite")
+    return SamplingParams(p.temperature, p.top_k, top_p, p.min_p, p.seed)
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, engine: DecodeEngine):
+        self.engine = engine
+
+    async def Generate(self, request, context):  # noqa: N802 (gRPC method name)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        rid = request.request_id
+        try:
+            if not rid:
+                raise RequestError("request_id is empty")
+            sampling = sampling_from_proto(request.sampling)
+            stop = set(request.stopping.stop_token_ids)
+            if not request.stopping.ignore_eos:
+                stop |= set(self.engine.model.eos_token_ids)
+            seq = Sequence(
+                rid,
+                list(request.prompt_token_ids),
+                sampling,
+                request.stopping.max_tokens,
+                frozenset(stop),
+            )
+            self.engine.submit(seq, lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
+        except RequestError as e:
+            code = (
+                grpc.StatusCode.ALREADY_EXISTS
+                if "already" in str(e)
+                else (grpc.StatusCode.INVALID_ARGUMENT)
+            )
+            await context.abort(code, str(e))
+        except Full as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        done = False
+        try:
+            while not done:
+                e = await events.get()
+                done = e.finish_reason is not None
+                if e.finish_reason == "abort":
+                    await context.abort(grpc.StatusCode.CANCELLED, f"request {rid!r} released")
+                yield decode_pb2.GenerateResponse(
+                    token_ids=e.token_ids,
+                    finish_reason=_FINISH[e.finish_reason],
+                    prompt_tokens=e.prompt_tokens,
+                    cached_tokens=e.cached_tokens,
+                    step=e.step,
+                )
+        finally:
+            # Client cancel, disconnect or deadline: the engine frees the pages next step.
+            if not done:
+                self.engine.cancel(rid)
+
+    async def Release(self, request, context):  # noqa: N802
+        if not self.engine.cancel(request.request_id):
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"unknown request_id {request.request_id!r}"
+            )
+        return decode_pb2.ReleaseResponse()
+
+    async def Reserve(self, request, context):  # noqa: N802
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED, "KV import arrives with the prefill tier; use Generate"
+        )
+
+    async def Stats(self, request, context):  # noqa: N802
+        return decode_pb2.StatsResponse(**self.engine.stats())
+
+
+async def create_server(engine: DecodeEngine, address: str = "127.0.0.1:0"):
+    """Builds and starts the server; returns (server, bound port, health servicer)."""
+    server = grpc.aio.server()
+    decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(engine), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind {address}")
+    await server.start()
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, port, health_servicer

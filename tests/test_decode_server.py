@@ -1,0 +1,253 @@
+"""The decode worker over real gRPC: concurrent streams, status codes, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from decode_service.engine import DecodeEngine, EngineConfig, wait_idle
+from decode_service.scheduler import SchedulerConfig
+from decode_service.server import create_server
+from megaserve.offline import OfflineGenerator
+from megaserve.rpc import decode_pb2, decode_pb2_grpc
+from megaserve.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_model):
+    """A real server on port 0 in its own event loop thread."""
+    engine = DecodeEngine(
+        tiny_model,
+        EngineConfig(
+            max_context=128,
+            scheduler=SchedulerConfig(max_running=32, max_waiting=64, prefill_chunk=32),
+        ),
+    )
+    engine.start()
+    loop = asyncio.new_event_loop()
+    import threading
+
+    started = threading.Event()
+    box = {}
+
+    def run():
+        asyncio.set_event_loop(loop)
+        box["server"], box["port"], _ = loop.run_until_complete(create_server(engine))
+        started.set()
+        loop.run_forever()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    started.wait(30)
+    yield engine, f"127.0.0.1:{box['port']}"
+    asyncio.run_coroutine_threadsafe(box["server"].stop(0), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    engine.stop()
+
+
+def _req(rid, prompt, max_tokens, sp=None, **stop):
+    sp = sp or SamplingParams()
+    return decode_pb2.GenerateRequest(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        sampling=decode_pb2.SamplingParams(
+            temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, seed=sp.seed
+        ),
+        stopping=decode_pb2.StoppingParams(max_tokens=max_tokens, ignore_eos=True, **stop),
+    )
+
+
+def _assert_pool_clean(engine):
+    wait_idle(engine)
+    engine.alloc.check_invariants()
+    assert engine.alloc.all_free_or_cached()
+
+
+def test_64_concurrent_streams_equal_solo(worker, tiny_model):
+    engine, addr = worker
+    rng = np.random.default_rng(3)
+    reqs = []
+    for i in range(64):
+        prompt = rng.integers(0, tiny_model.cfg.vocab_size, int(rng.integers(2, 50))).tolist()
+        sp = SamplingParams() if i % 2 else SamplingParams(temperature=0.9, top_k=30, seed=i)
+        reqs.append((f"c{i}", prompt, sp, int(rng.integers(1, 30))))
+
+    async def one(stub, rid, prompt, sp, n):
+        toks = []
+        async for r in stub.Generate(_req(rid, prompt, n, sp)):
+            toks += list(r.token_ids)
+        return toks
+
+    async def main():
+        async with grpc.aio.insecure_channel(addr) as ch:
+            stub = decode_pb2_grpc.DecodeStub(ch)
+            return await asyncio.gather(*(one(stub, *r) for r in reqs))
+
+    got = asyncio.run(main())
+    solo = OfflineGenerator(tiny_model, max_context=128)
+    for (rid, prompt, sp, n), toks in zip(reqs, got):
+        assert toks == solo.generate(prompt, n, sp, ignore_eos=True).token_ids, rid
+    _assert_pool_clean(engine)
+
+
+@pytest.mark.parametrize(
+    "req,code,match",
+    [
+        (_req("b1", [1, 2], 4, SamplingParams.__new__(SamplingParams)), None, None),
+    ][:0]
+    + [
+        (
+            decode_pb2.GenerateRequest(
+                request_id="b",
+                prompt_token_ids=[1],
+                sampling=decode_pb2.SamplingParams(temperature=-1),
+                stopping=decode_pb2.StoppingParams(max_tokens=3),
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "temperature=-1",
+        ),
+        (
+            decode_pb2.GenerateRequest(
+                request_id="b",
+                prompt_token_ids=[1],
+                sampling=decode_pb2.SamplingParams(temperature=float("nan")),
+                stopping=decode_pb2.StoppingParams(max_tokens=3),
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "temperature=nan",
+        ),
+        (
+            decode_pb2.GenerateRequest(
+                request_id="b",
+                prompt_token_ids=[1],
+                sampling=decode_pb2.SamplingParams(top_p=1.5),
+                stopping=decode_pb2.StoppingParams(max_tokens=3),
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "top_p=1.5",
+        ),
+        (
+            decode_pb2.GenerateRequest(
+                request_id="b",
+                prompt_token_ids=[1],
+                sampling=decode_pb2.SamplingParams(top_k=-1),
+                stopping=decode_pb2.StoppingParams(max_tokens=3),
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "top_k=-1",
+        ),
+        (
+            decode_pb2.GenerateRequest(
+                request_id="b",
+                prompt_token_ids=[1],
+                stopping=decode_pb2.StoppingParams(max_tokens=0),
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "max_tokens=0",
+        ),
+        (
+            decode_pb2.GenerateRequest(
+                request_id="b",
+                prompt_token_ids=[1],
+                stopping=decode_pb2.StoppingParams(max_tokens=500),
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "context limit 128",
+        ),
+        (
+            decode_pb2.GenerateRequest(
+                request_id="b",
+                prompt_token_ids=[1, 96000],
+                stopping=decode_pb2.StoppingParams(max_tokens=3),
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "96000",
+        ),
+        (
+            decode_pb2.GenerateRequest(
+                request_id="",
+                prompt_token_ids=[1],
+                stopping=decode_pb2.StoppingParams(max_tokens=3),
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "request_id is empty",
+        ),
+    ],
+)
+def test_bad_input_status_codes(worker, req, code, match):
+    engine, addr = worker
+
+    async def main():
+        async with grpc.aio.insecure_channel(addr) as ch:
+            stub = decode_pb2_grpc.DecodeStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                async for _ in stub.Generate(req):
+                    pass
+            assert ei.value.code() == code and match in ei.value.details(), ei.value.details()
+            # The server keeps serving.
+            toks = [t async for r in stub.Generate(_req("ok", [1, 2, 3], 2)) for t in r.token_ids]
+            assert len(toks) == 2
+
+    asyncio.run(main())
+    _assert_pool_clean(engine)
+
+
+def test_unknown_release_is_not_found(worker):
+    _, addr = worker
+
+    async def main():
+        async with grpc.aio.insecure_channel(addr) as ch:
+            stub = decode_pb2_grpc.DecodeStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await stub.Release(decode_pb2.ReleaseRequest(request_id="nope"))
+            assert ei.value.code() == grpc.StatusCode.NOT_FOUND and "nope" in ei.value.details()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline", "release"])
+def test_cancellation_frees_pages(worker, how):
+    engine, addr = worker
+
+    async def main():
+        async with grpc.aio.insecure_channel(addr) as ch:
+            stub = decode_pb2_grpc.DecodeStub(ch)
+            timeout = 0.3 if how == "deadline" else None
+            call = stub.Generate(_req(f"x-{how}", [1, 2, 3, 4], 120), timeout=timeout)
+            got = 0
+            # A local cancel surfaces as asyncio.CancelledError, server-side ends as status.
+            with pytest.raises((grpc.aio.AioRpcError, asyncio.CancelledError)) as ei:
+                async for _ in call:
+                    got += 1
+                    if got == 3 and how == "cancel":
+                        call.cancel()
+                    if got == 3 and how == "release":
+                        await stub.Release(decode_pb2.ReleaseRequest(request_id=f"x-{how}"))
+                    await asyncio.sleep(0.02)
+            if how != "cancel":
+                want = {
+                    "release": grpc.StatusCode.CANCELLED,
+                    "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
+                }[how]
+                assert ei.value.code() == want
+            assert got < 120
+
+    asyncio.run(main())
+    _assert_pool_clean(engine)
+
+
+def test_health_and_stats(worker):
+    engine, addr = worker
+
+    async def main():
+        async with grpc.aio.insecure_channel(addr) as ch:
+            h = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
+            assert h.status == health_pb2.HealthCheckResponse.SERVING
+            s = await decode_pb2_grpc.DecodeStub(ch).Stats(decode_pb2.StatsRequest())
+            assert s.total_pages == engine.alloc.num_pages - 1 and s.page_size == 16
+
+    asyncio.run(main())
