@@ -7,6 +7,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +17,7 @@ from decode_service.scheduler import Scheduler, SchedulerConfig
 from decode_service.sequence import Sequence
 from kernels.kv_cache import KVPool
 from kernels.xla_step import SamplingArrays, StepConfig, XlaRunner
+from megaserve.block_hash import block_hashes
 from megaserve.errors import RequestError
 from megaserve.model import LoadedModel
 
@@ -42,6 +44,16 @@ class TokenEvent:
 
 class Full(Exception):
     """The waiting queue is full (RESOURCE_EXHAUSTED)."""
+
+
+@dataclass
+class Reservation:
+    """Pages held for a request whose KV a prefill worker will send; freed at `expires`."""
+
+    request_id: str
+    pages: list[int]
+    cached_pages: int
+    expires: float
 
 
 class DecodeEngine:
@@ -80,6 +92,9 @@ class DecodeEngine:
         self._lock = threading.Lock()
         self._live: dict[str, Sequence] = {}
         self._sinks: dict[str, Callable[[TokenEvent], None]] = {}
+        self._commands: queue.Queue = queue.Queue()
+        self.reservations: dict[str, Reservation] = {}
+        self.expired_reservations = 0
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -121,12 +136,68 @@ class DecodeEngine:
         self._wake.set()
 
     def cancel(self, request_id: str) -> bool:
+        """Cancels a live request or drops a reservation; False if the id is unknown."""
+        if request_id in self.reservations:
+            return self._call(self._drop_reservation, request_id)
         with self._lock:
             known = request_id in self._live
             if known:
                 self._cancel.add(request_id)
         self._wake.set()
         return known
+
+    def reserve(self, request_id: str, prompt: list[int], lease_s: float) -> Reservation:
+        """Holds pages for prompt (prefix hits included) until KV arrives or the lease ends."""
+        self.validate(prompt, 1)
+        return self._call(self._reserve, request_id, prompt, lease_s)
+
+    def _call(self, fn, *args):
+        """Runs fn on the engine thread (the allocator is single-threaded) and waits."""
+        fut: Future = Future()
+        self._commands.put((fut, fn, args))
+        self._wake.set()
+        if self._thread is None:  # not started (unit tests drive run_once themselves)
+            self._run_commands()
+        return fut.result(timeout=30)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fut, fn, args = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                fut.set_result(fn(*args))
+            except Exception as e:  # surfaced to the caller's thread
+                fut.set_exception(e)
+
+    def _reserve(self, request_id: str, prompt: list[int], lease_s: float) -> Reservation:
+        if request_id in self.reservations or request_id in self._live:
+            raise RequestError(f"request_id {request_id!r} is already running")
+        hashes = block_hashes(prompt[: len(prompt) - 1], self.cfg.page_size)
+        hit = self.alloc.match_prefix(hashes)
+        need = -(-len(prompt) // self.cfg.page_size) - len(hit)
+        if need > self.alloc.num_available:
+            raise Full(f"reservation needs {need} pages, {self.alloc.num_available} free; retry")
+        self.alloc.acquire(hit)
+        res = Reservation(
+            request_id, hit + self.alloc.allocate(need), len(hit), time.monotonic() + lease_s
+        )
+        self.reservations[request_id] = res
+        return res
+
+    def _drop_reservation(self, request_id: str) -> bool:
+        res = self.reservations.pop(request_id, None)
+        if res is None:
+            return False
+        self.alloc.release(res.pages)
+        return True
+
+    def _expire_reservations(self) -> None:
+        now = time.monotonic()
+        for rid in [r for r, res in self.reservations.items() if res.expires <= now]:
+            self._drop_reservation(rid)
+            self.expired_reservations += 1
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="decode-engine", daemon=True)
@@ -140,7 +211,7 @@ class DecodeEngine:
 
     @property
     def idle(self) -> bool:
-        return not self._live
+        return not self._live and not self.reservations
 
     # -- engine thread -----------------------------------------------------------------
     def _loop(self) -> None:
@@ -156,6 +227,8 @@ class DecodeEngine:
                 self.sched.add(self._inbox.get_nowait())
             except queue.Empty:
                 break
+        self._run_commands()
+        self._expire_reservations()
         self._apply_cancels()
         plan = self.sched.plan()
         worked = False
@@ -246,7 +319,7 @@ class DecodeEngine:
             "cached_pages": len(a.lru),
             "running": len(self.sched.running) + len(self.sched.prefilling),
             "waiting": len(self.sched.waiting) + self._inbox.qsize(),
-            "reserved": 0,
+            "reserved": len(self.reservations),
             "steps": self.steps,
             "preemptions": self.sched.preemptions,
             "page_size": a.page_size,

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 import grpc
+import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from decode_service.engine import DecodeEngine, Full, TokenEvent
+from decode_service.metrics import WorkerMetrics
 from decode_service.sequence import Sequence
 from megaserve.errors import RequestError
 from megaserve.rpc import decode_pb2, decode_pb2_grpc
@@ -21,6 +24,7 @@ _FINISH = {
     "length": decode_pb2.FINISH_REASON_LENGTH,
 }
 SERVICE = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
+log = structlog.get_logger("megaserve.decode")
 
 
 def sampling_from_proto(p: decode_pb2.SamplingParams) -> SamplingParams:
@@ -32,13 +36,18 @@ def sampling_from_proto(p: decode_pb2.SamplingParams) -> SamplingParams:
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    def __init__(self, engine: DecodeEngine):
+    def __init__(self, engine: DecodeEngine, metrics: WorkerMetrics | None = None):
         self.engine = engine
+        self.metrics = metrics or WorkerMetrics(engine, engine.model.name)
+        self.draining = False
 
     async def Generate(self, request, context):  # noqa: N802 (gRPC method name)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         rid = request.request_id
+        arrived = time.monotonic()
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is shutting down; retry")
         try:
             if not rid:
                 raise RequestError("request_id is empty")
@@ -64,10 +73,27 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         except Full as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         done = False
+        last = None
+        m = self.metrics
+        m.prompt_tokens.inc(len(request.prompt_token_ids))
+        log.info(
+            "request",
+            request_id=rid,
+            prompt_tokens=len(request.prompt_token_ids),
+            max_tokens=request.stopping.max_tokens,
+        )
         try:
             while not done:
                 e = await events.get()
                 done = e.finish_reason is not None
+                now = time.monotonic()
+                if e.token_ids:
+                    (m.ttft.observe(now - arrived) if last is None else m.itl.observe(now - last))
+                    last = now
+                    m.generation_tokens.inc(len(e.token_ids))
+                if done:
+                    m.finished(e.finish_reason)
+                    log.info("finished", request_id=rid, reason=e.finish_reason)
                 if e.finish_reason == "abort":
                     await context.abort(grpc.StatusCode.CANCELLED, f"request {rid!r} released")
                 yield decode_pb2.GenerateResponse(
@@ -83,15 +109,33 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 self.engine.cancel(rid)
 
     async def Release(self, request, context):  # noqa: N802
-        if not self.engine.cancel(request.request_id):
+        if not await asyncio.to_thread(self.engine.cancel, request.request_id):
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"unknown request_id {request.request_id!r}"
             )
         return decode_pb2.ReleaseResponse()
 
     async def Reserve(self, request, context):  # noqa: N802
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED, "KV import arrives with the prefill tier; use Generate"
+        lease = (request.lease_ms or 30000) / 1000
+        try:
+            if not request.request_id:
+                raise RequestError("request_id is empty")
+            res = await asyncio.to_thread(
+                self.engine.reserve, request.request_id, list(request.prompt_token_ids), lease
+            )
+        except RequestError as e:
+            code = (
+                grpc.StatusCode.ALREADY_EXISTS
+                if "already" in str(e)
+                else grpc.StatusCode.INVALID_ARGUMENT
+            )
+            await context.abort(code, str(e))
+        except Full as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        return decode_pb2.ReserveResponse(
+            cached_pages=res.cached_pages,
+            total_pages=len(res.pages),
+            page_size=self.engine.cfg.page_size,
         )
 
     async def Stats(self, request, context):  # noqa: N802
@@ -99,9 +143,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
 
 async def create_server(engine: DecodeEngine, address: str = "127.0.0.1:0"):
-    """Builds and starts the server; returns (server, bound port, health servicer)."""
+    """Builds and starts the server; returns (server, bound port, health, servicer)."""
     server = grpc.aio.server()
-    decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(engine), server)
+    servicer = DecodeServicer(engine)
+    decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -113,4 +158,4 @@ async def create_server(engine: DecodeEngine, address: str = "127.0.0.1:0"):
     await server.start()
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, port, health_servicer
+    return server, port, health_servicer, servicer

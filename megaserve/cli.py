@@ -90,6 +90,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _decode_worker(a: argparse.Namespace) -> int:
+    from decode_service.main import main as worker_main
+
+    return worker_main(a)
+
+
 def _strip_eos(ids: list[int], eos: tuple[int, ...]) -> list[int]:
     return ids[:-1] if ids and ids[-1] in eos else ids
 
@@ -101,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     from megaserve.bench.cli import add_bench
 
     add_bench(sub)
+    w = sub.add_parser("decode-worker", help="run a decode worker (gRPC, continuous batching)")
+    from decode_service.main import add_arguments
+
+    add_arguments(w)
+    w.set_defaults(func=_decode_worker)
     a = parser.parse_args(argv)
     try:
         if a.cmd == "generate":

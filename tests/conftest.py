@@ -127,3 +127,12 @@ def tiny_moe_model():
 
     hf = tiny_moe_config()
     return LoadedModel.from_checkpoint(Checkpoint("tiny-moe", hf, random_moe_tensors(hf), None, ()))
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    from tests.redis_server import RedisServer
+
+    server = RedisServer(tmp_path).start()
+    yield server
+    server.kill()

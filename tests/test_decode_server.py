@@ -36,7 +36,7 @@ def worker(tiny_model):
 
     def run():
         asyncio.set_event_loop(loop)
-        box["server"], box["port"], _ = loop.run_until_complete(create_server(engine))
+        box["server"], box["port"], _, _ = loop.run_until_complete(create_server(engine))
         started.set()
         loop.run_forever()
 
@@ -251,3 +251,47 @@ def test_health_and_stats(worker):
             assert s.total_pages == engine.alloc.num_pages - 1 and s.page_size == 16
 
     asyncio.run(main())
+
+
+def test_reservation_without_kv_expires_and_frees(worker):
+    engine, addr = worker
+
+    async def main():
+        async with grpc.aio.insecure_channel(addr) as ch:
+            stub = decode_pb2_grpc.DecodeStub(ch)
+            r = await stub.Reserve(
+                decode_pb2.ReserveRequest(
+                    request_id="res1", prompt_token_ids=list(range(40)), lease_ms=200
+                )
+            )
+            assert r.total_pages == 3 and r.page_size == 16
+            s = await stub.Stats(decode_pb2.StatsRequest())
+            assert s.reserved == 1
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await stub.Reserve(
+                    decode_pb2.ReserveRequest(request_id="res1", prompt_token_ids=[1])
+                )
+            assert ei.value.code() == grpc.StatusCode.ALREADY_EXISTS
+            await asyncio.sleep(0.5)
+            s = await stub.Stats(decode_pb2.StatsRequest())
+            assert s.reserved == 0
+            # An explicit release frees at once.
+            await stub.Reserve(
+                decode_pb2.ReserveRequest(request_id="res2", prompt_token_ids=[1, 2, 3])
+            )
+            await stub.Release(decode_pb2.ReleaseRequest(request_id="res2"))
+            assert (await stub.Stats(decode_pb2.StatsRequest())).reserved == 0
+
+    asyncio.run(main())
+    assert engine.expired_reservations >= 1
+    _assert_pool_clean(engine)
+
+
+def test_prompt_larger_than_pool_is_rejected(tiny_model):
+    from megaserve.errors import RequestError
+
+    cfg = tiny_model.cfg
+    per_page = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 4
+    small = DecodeEngine(tiny_model, EngineConfig(kv_budget_bytes=9 * per_page, max_context=512))
+    with pytest.raises(RequestError, match="needs 13 pages, the whole pool has 8"):
+        small.validate([1] * 200, 1)

@@ -1,0 +1,133 @@
+"""The decode worker process: model, engine, gRPC server, Redis heartbeat, metrics, SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import uuid
+from dataclasses import dataclass, field
+
+import structlog
+from grpc_health.v1 import health_pb2
+
+from decode_service.engine import DecodeEngine, EngineConfig, wait_idle
+from decode_service.registration import Heartbeat
+from decode_service.scheduler import SchedulerConfig
+from decode_service.server import SERVICE, create_server
+from megaserve.model import LoadedModel
+from megaserve.state_keys import WorkerInfo
+
+log = structlog.get_logger("megaserve.decode")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a decode worker process is configured by (built once, from the CLI)."""
+
+    checkpoint: str = "smollm2"
+    host: str = "127.0.0.1"
+    port: int = 0
+    worker_id: str = field(default_factory=lambda: f"decode-{uuid.uuid4().hex[:8]}")
+    redis_url: str | None = None
+    metrics_port: int | None = None
+    heartbeat_s: float = 1.0
+    heartbeat_ttl_s: float = 5.0
+    shutdown_grace_s: float = 10.0
+    engine: EngineConfig = EngineConfig()
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--checkpoint", default="smollm2")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0 = any free port)")
+    p.add_argument("--worker-id")
+    p.add_argument("--redis-url", help="register and heartbeat here (redis://host:port/db)")
+    p.add_argument("--metrics-port", type=int, help="Prometheus /metrics on this port")
+    p.add_argument("--kv-budget-mb", type=int, default=256)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-context", type=int, default=2048)
+    p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--max-waiting", type=int, default=256)
+    p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--shutdown-grace", type=float, default=10.0)
+
+
+def config_from_args(a) -> WorkerConfig:
+    return WorkerConfig(
+        checkpoint=a.checkpoint,
+        host=a.host,
+        port=a.port,
+        worker_id=a.worker_id or f"decode-{uuid.uuid4().hex[:8]}",
+        redis_url=a.redis_url,
+        metrics_port=a.metrics_port,
+        shutdown_grace_s=a.shutdown_grace,
+        engine=EngineConfig(
+            page_size=a.page_size,
+            kv_budget_bytes=a.kv_budget_mb * 2**20,
+            max_context=a.max_context,
+            scheduler=SchedulerConfig(
+                max_running=a.max_running, max_waiting=a.max_waiting, prefill_chunk=a.prefill_chunk
+            ),
+        ),
+    )
+
+
+async def serve(cfg: WorkerConfig) -> None:
+    model = LoadedModel.load(cfg.checkpoint, progress=False)
+    engine = DecodeEngine(model, cfg.engine)
+    engine.start()
+    server, port, health, servicer = await create_server(engine, f"{cfg.host}:{cfg.port}")
+    address = f"{cfg.host if cfg.host != '0.0.0.0' else socket.gethostname()}:{port}"
+    metrics_port = (
+        servicer.metrics.serve(cfg.metrics_port) if cfg.metrics_port is not None else None
+    )
+
+    def info() -> WorkerInfo:
+        s = engine.stats()
+        return WorkerInfo(
+            cfg.worker_id,
+            "decode",
+            address,
+            model.name,
+            s["total_pages"],
+            s["free_pages"] + s["cached_pages"],
+            s["running"],
+            s["waiting"],
+            s["page_size"],
+        )
+
+    hb = (
+        Heartbeat(cfg.redis_url, info, cfg.heartbeat_s, cfg.heartbeat_ttl_s).start()
+        if (cfg.redis_url)
+        else None
+    )
+    # One parseable line for launchers and tests.
+    print(f"READY decode worker {cfg.worker_id} grpc={address} metrics={metrics_port}", flush=True)
+    log.info("serving", worker_id=cfg.worker_id, address=address, pages=engine.alloc.num_pages)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    # Graceful: refuse new work, let running requests finish within the grace period.
+    servicer.draining = True
+    for name in ("", SERVICE):
+        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    try:
+        await asyncio.to_thread(wait_idle, engine, cfg.shutdown_grace_s)
+    except TimeoutError:
+        log.warning("grace period over; cancelling", live=len(engine._live))
+    await server.stop(1.0)
+    engine.stop()
+    if hb:
+        hb.stop(deregister=True)
+    log.info("stopped", worker_id=cfg.worker_id)
+
+
+def main(a) -> int:
+    from megaserve.logs import configure
+
+    configure()
+    asyncio.run(serve(config_from_args(a)))
+    return 0

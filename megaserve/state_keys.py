@@ -1,0 +1,54 @@
+"""The one Redis key layout every tier uses (workers, sessions, prefix blocks); TTLs always."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX = "megaserve:"
+
+
+def worker_key(worker_id: str) -> str:
+    """Hash: role, address, model, total_pages, free_pages, running, waiting; TTL heartbeat."""
+    return f"{PREFIX}worker:{worker_id}"
+
+
+def workers_set(role: str) -> str:
+    """Set of worker ids with this role ('decode' | 'prefill'); members expire via their hash."""
+    return f"{PREFIX}workers:{role}"
+
+
+def session_key(session_id: str) -> str:
+    """Hash: decode worker, kv length, token digest; idle TTL."""
+    return f"{PREFIX}session:{session_id}"
+
+
+def worker_blocks_key(worker_id: str) -> str:
+    """Set of prefix block hashes (hex) cached on a worker; TTL refreshed by the worker."""
+    return f"{PREFIX}blocks:{worker_id}"
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker advertises; the router reads these to place requests."""
+
+    worker_id: str
+    role: str
+    address: str
+    model: str
+    total_pages: int
+    free_pages: int
+    running: int
+    waiting: int
+    page_size: int
+
+    def to_hash(self) -> dict[str, str]:
+        return {k: str(v) for k, v in self.__dict__.items()}
+
+    @classmethod
+    def from_hash(cls, h: dict) -> WorkerInfo:
+        h = {
+            (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+            for k, v in h.items()
+        }
+        ints = {"total_pages", "free_pages", "running", "waiting", "page_size"}
+        return cls(**{k: int(h[k]) if k in ints else h[k] for k in cls.__dataclass_fields__})

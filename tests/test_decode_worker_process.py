@@ -1,0 +1,96 @@
+"""The decode worker as a real process: Redis registration, serving through a Redis outage,
+Prometheus metrics, and a clean SIGTERM shutdown that deregisters."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import grpc
+import redis
+
+from megaserve.rpc import decode_pb2, decode_pb2_grpc
+from megaserve.state_keys import worker_key, workers_set
+from tests.conftest import FIXTURES, REPO
+from tests.redis_server import free_port
+
+
+def _generate(addr: str, rid: str, n: int = 4) -> list[int]:
+    with grpc.insecure_channel(addr) as ch:
+        stub = decode_pb2_grpc.DecodeStub(ch)
+        req = decode_pb2.GenerateRequest(
+            request_id=rid,
+            prompt_token_ids=[1, 2, 3],
+            stopping=decode_pb2.StoppingParams(max_tokens=n, ignore_eos=True),
+        )
+        return [t for r in stub.Generate(req, timeout=60) for t in r.token_ids]
+
+
+def _wait(pred, timeout=10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_worker_process_lifecycle(redis_server):
+    metrics_port = free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "megaserve.cli",
+            "decode-worker",
+            "--checkpoint",
+            str(FIXTURES / "tiny" / "llama_gqa2"),
+            "--worker-id",
+            "dw1",
+            "--redis-url",
+            redis_server.url,
+            "--metrics-port",
+            str(metrics_port),
+            "--kv-budget-mb",
+            "8",
+            "--max-context",
+            "256",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=env,
+    )
+    try:
+        line = proc.stdout.readline()
+        m = re.search(r"READY decode worker dw1 grpc=(\S+)", line)
+        assert m, line + proc.stderr.read()[-3000:]
+        addr = m.group(1)
+        r = redis.Redis.from_url(redis_server.url)
+        assert _wait(lambda: r.sismember(workers_set("decode"), "dw1"))
+        assert r.hget(worker_key("dw1"), "address").decode() == addr
+        assert len(_generate(addr, "p1")) == 4
+        # Redis dies: the worker keeps serving; when Redis returns it re-registers.
+        redis_server.kill()
+        assert len(_generate(addr, "p2")) == 4
+        redis_server.start()
+        r = redis.Redis.from_url(redis_server.url)
+        assert _wait(lambda: r.exists(worker_key("dw1")))
+        body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read().decode()
+        assert "megaserve:time_to_first_token_seconds_count" in body
+        assert re.search(r"megaserve:generation_tokens_total\{[^}]*\} 8\.0", body), body[:2000]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert not r.exists(worker_key("dw1"))
+        logs = proc.stderr.read()
+        assert '"event": "finished"' in logs and '"request_id": "p1"' in logs
+    finally:
+        if proc.poll() is None:
+            proc.kill()
