@@ -40,6 +40,17 @@ class TokenEvent:
     step: int
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # Per token: (token, logprob, top ids, top logprobs) when the request asked for them.
+    logprobs: list[tuple[int, float, list[int], list[float]]] | None = None
+
+
+def top_logprobs(logits: np.ndarray, token: int, n: int):
+    """(token, logprob, top-n ids, top-n logprobs) of raw f32[V] logits, natural log."""
+    x = logits.astype(np.float64)
+    lse = x.max() + np.log(np.exp(x - x.max()).sum())
+    lp = x - lse
+    top = np.argsort(-lp, kind="stable")[:n]
+    return int(token), float(lp[token]), top.tolist(), lp[top].tolist()
 
 
 class Full(Exception):
@@ -249,7 +260,11 @@ class DecodeEngine:
                 self._finish(seq, "abort", [])
 
     def _rows(self, seqs: list[Sequence]) -> SamplingArrays:
-        return SamplingArrays.build([s.sampling.as_row() for s in seqs])
+        return SamplingArrays.build(
+            [s.sampling.as_row() for s in seqs],
+            [(s.prompt, s.output) for s in seqs],
+            self.model.cfg.vocab_size,
+        )
 
     def _table(self, seqs: list[Sequence]) -> np.ndarray:
         width = max(len(s.pages) for s in seqs)
@@ -260,24 +275,30 @@ class DecodeEngine:
 
     def _run_prefill(self, seq: Sequence, chunk: list[int], start: int) -> None:
         pos = np.arange(start, start + len(chunk), dtype=np.int32)
-        nxt, _ = self.runner.prefill(
+        nxt, logits = self.runner.prefill(
             np.array([chunk], np.int32), pos[None], self._table([seq]), self._rows([seq])
         )
         if self.sched.prefill_done(seq, len(chunk)):
             first = not seq.output
-            self._emit(seq, [int(nxt[0])], first=first)
+            tok = int(nxt[0])
+            lps = [top_logprobs(logits[0], tok, seq.logprobs)] if seq.logprobs else None
+            self._emit(seq, [tok], first=first, logprobs=lps)
 
     def _run_decode(self, seqs: list[Sequence]) -> None:
         tokens = np.array([s.tokens[-1] for s in seqs], np.int32)
         pos = np.array([len(s.tokens) - 1 for s in seqs], np.int32)
-        toks, _ = self.runner.decode(tokens, pos, self._table(seqs), self._rows(seqs), n_steps=1)
+        want = any(s.logprobs for s in seqs)
+        toks, logits = self.runner.decode(
+            tokens, pos, self._table(seqs), self._rows(seqs), n_steps=1, want_logits=want
+        )
         self.steps += 1
-        for s, t in zip(seqs, toks[0].tolist()):
+        for i, (s, t) in enumerate(zip(seqs, toks[0].tolist())):
             s.num_computed = len(s.tokens)
             self.sched.register_full_pages(s)
-            self._emit(s, [int(t)])
+            lps = [top_logprobs(logits[0, i], int(t), s.logprobs)] if s.logprobs else None
+            self._emit(s, [int(t)], logprobs=lps)
 
-    def _emit(self, seq: Sequence, new: list[int], first: bool = False) -> None:
+    def _emit(self, seq: Sequence, new: list[int], first: bool = False, logprobs=None) -> None:
         seq.output.extend(new)
         reason = None
         if new[-1] in seq.stop_ids:
@@ -285,18 +306,22 @@ class DecodeEngine:
         elif len(seq.output) >= seq.max_tokens:
             reason = "length"
         if reason:
-            self._finish(seq, reason, new, first)
+            self._finish(seq, reason, new, first, logprobs)
         else:
-            self._send(seq, new, None, first)
+            self._send(seq, new, None, first, logprobs)
 
-    def _finish(self, seq: Sequence, reason: str, new: list[int], first: bool = False) -> None:
+    def _finish(
+        self, seq: Sequence, reason: str, new: list[int], first: bool = False, logprobs=None
+    ) -> None:
         self.sched.finish(seq, reason)
-        self._send(seq, new, reason, first)
+        self._send(seq, new, reason, first, logprobs)
         with self._lock:
             self._live.pop(seq.request_id, None)
             self._sinks.pop(seq.request_id, None)
 
-    def _send(self, seq: Sequence, new: list[int], reason: str | None, first: bool) -> None:
+    def _send(
+        self, seq: Sequence, new: list[int], reason: str | None, first: bool, logprobs=None
+    ) -> None:
         sink = self._sinks.get(seq.request_id)
         if sink is None:
             return
@@ -308,6 +333,7 @@ class DecodeEngine:
                 self.steps,
                 len(seq.prompt) if first else 0,
                 seq.num_cached_tokens if first else 0,
+                logprobs,
             )
         )
 

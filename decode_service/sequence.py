@@ -32,6 +32,7 @@ class Sequence:
     state: SeqState = SeqState.WAITING
     finish_reason: str | None = None
     arrival_step: int = 0
+    logprobs: int = 0  # top-n log-probabilities to return per token (0 = none)
 
     @property
     def tokens(self) -> list[int]:

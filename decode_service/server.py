@@ -32,7 +32,10 @@ def sampling_from_proto(p: decode_pb2.SamplingParams) -> SamplingParams:
     top_p = 1.0 if p.top_p == 0 else p.top_p
     if not math.isfinite(p.temperature):
         raise RequestError(f"temperature={p.temperature} must be finite")
-    return SamplingParams(p.temperature, p.top_k, top_p, p.min_p, p.seed)
+    rep = 1.0 if p.repetition_penalty == 0 else p.repetition_penalty
+    return SamplingParams(
+        p.temperature, p.top_k, top_p, p.min_p, p.seed, p.presence_penalty, p.frequency_penalty, rep
+    )
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
@@ -55,12 +58,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             stop = set(request.stopping.stop_token_ids)
             if not request.stopping.ignore_eos:
                 stop |= set(self.engine.model.eos_token_ids)
+            if not 0 <= request.logprobs <= 20:
+                raise RequestError(f"logprobs={request.logprobs} must be in [0, 20]")
             seq = Sequence(
                 rid,
                 list(request.prompt_token_ids),
                 sampling,
                 request.stopping.max_tokens,
                 frozenset(stop),
+                logprobs=request.logprobs,
             )
             self.engine.submit(seq, lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
         except RequestError as e:
@@ -102,6 +108,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     prompt_tokens=e.prompt_tokens,
                     cached_tokens=e.cached_tokens,
                     step=e.step,
+                    logprobs=[
+                        decode_pb2.TokenLogprobs(
+                            token_id=t, logprob=lp, top_token_ids=ids, top_logprobs=vals
+                        )
+                        for t, lp, ids, vals in (e.logprobs or ())
+                    ],
                 )
         finally:
             # Client cancel, disconnect or deadline: the engine frees the pages next step.

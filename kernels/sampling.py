@@ -15,6 +15,27 @@ def request_key(seed: jnp.ndarray, position: jnp.ndarray) -> jax.Array:
     return jax.random.fold_in(jax.random.key(seed.astype(jnp.uint32)), position)
 
 
+def apply_penalties(
+    logits: jnp.ndarray,
+    counts: jnp.ndarray,
+    seen: jnp.ndarray,
+    presence: jnp.ndarray,
+    frequency: jnp.ndarray,
+    repetition: jnp.ndarray,
+) -> jnp.ndarray:
+    """vLLM semantics: presence/frequency over output tokens, repetition over prompt + output.
+
+    Args:
+      logits: f32[B, V]; counts: i32[B, V] output-token counts; seen: bool[B, V] tokens in
+      prompt or output; presence, frequency: f32[B] (0 = off); repetition: f32[B] (1 = off;
+      positive logits are divided by it, negative ones multiplied, as transformers does).
+    """
+    rep = repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    c = counts.astype(logits.dtype)
+    return logits - presence[:, None] * (c > 0) - frequency[:, None] * c
+
+
 def _sample_row(logits, temperature, top_k, top_p, min_p, seed, position):
     """Samples one row; logits f32[V]. Greedy rows are handled by the caller."""
     vocab = logits.shape[-1]

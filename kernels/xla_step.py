@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels.kv_cache import KVPool
-from kernels.sampling import sample
+from kernels.sampling import apply_penalties, sample
 
 
 @dataclass(frozen=True)
@@ -50,54 +50,120 @@ def bucket(n: int, buckets: tuple[int, ...], what: str) -> int:
 
 @dataclass(frozen=True)
 class SamplingArrays:
-    """Per-row sampling parameters, host side; see kernels.sampling.sample."""
+    """Per-row sampling parameters, host side; see kernels.sampling.
+
+    `counts`/`seen` are only built when some row uses a penalty: the programs then take the
+    penalized variant (a separate executable), so unpenalized batches pay nothing.
+    """
 
     temperature: np.ndarray  # f32[B]
     top_k: np.ndarray  # i32[B]
     top_p: np.ndarray  # f32[B]
     min_p: np.ndarray  # f32[B]
     seed: np.ndarray  # u32[B]
+    presence: np.ndarray  # f32[B]
+    frequency: np.ndarray  # f32[B]
+    repetition: np.ndarray  # f32[B], 1 = off
+    counts: np.ndarray | None = None  # i32[B, V] occurrences of each token in the output
+    seen: np.ndarray | None = None  # bool[B, V] token appears in prompt or output
+
+    _FILL = {
+        "temperature": 0.0,
+        "top_k": 0,
+        "top_p": 1.0,
+        "min_p": 0.0,
+        "seed": 0,
+        "presence": 0.0,
+        "frequency": 0.0,
+        "repetition": 1.0,
+    }
+    _DTYPES = {
+        "temperature": np.float32,
+        "top_k": np.int32,
+        "top_p": np.float32,
+        "min_p": np.float32,
+        "seed": np.uint32,
+        "presence": np.float32,
+        "frequency": np.float32,
+        "repetition": np.float32,
+    }
 
     @classmethod
     def greedy(cls, batch: int) -> SamplingArrays:
         return cls.build([{}] * batch)
 
     @classmethod
-    def build(cls, rows: list[dict]) -> SamplingArrays:
-        return cls(
-            np.array([r.get("temperature", 0.0) for r in rows], np.float32),
-            np.array([r.get("top_k", 0) for r in rows], np.int32),
-            np.array([r.get("top_p", 1.0) for r in rows], np.float32),
-            np.array([r.get("min_p", 0.0) for r in rows], np.float32),
-            np.array([r.get("seed", 0) for r in rows], np.uint32),
+    def build(
+        cls,
+        rows: list[dict],
+        histories: list[tuple[list[int], list[int]]] | None = None,
+        vocab: int = 0,
+    ) -> SamplingArrays:
+        """rows: per-row params; histories: (prompt, output) per row, needed for penalties."""
+        cols = {
+            k: np.array([r.get(k, f) for r in rows], cls._DTYPES[k]) for k, f in cls._FILL.items()
+        }
+        penalized = any(
+            r.get("presence", 0) or r.get("frequency", 0) or r.get("repetition", 1) != 1
+            for r in rows
         )
+        counts = seen = None
+        if penalized:
+            assert histories is not None and vocab > 0, "penalties need token histories"
+            counts = np.zeros((len(rows), vocab), np.int32)
+            seen = np.zeros((len(rows), vocab), bool)
+            for i, (prompt, output) in enumerate(histories):
+                np.add.at(counts[i], np.asarray(output, np.int64), 1)
+                seen[i, np.asarray(prompt + output, np.int64)] = True
+        return cls(**cols, counts=counts, seen=seen)
 
-    def padded(self, b: int) -> tuple[np.ndarray, ...]:
+    def padded(self, b: int) -> dict[str, np.ndarray]:
         n = b - len(self.temperature)
-        fill = (0.0, 0, 1.0, 0.0, 0)
-        arrays = (self.temperature, self.top_k, self.top_p, self.min_p, self.seed)
-        return tuple(np.concatenate([a, np.full(n, f, a.dtype)]) for a, f in zip(arrays, fill))
+        out = {
+            k: np.concatenate([getattr(self, k), np.full(n, f, self._DTYPES[k])])
+            for k, f in self._FILL.items()
+        }
+        if self.counts is not None:
+            v = self.counts.shape[1]
+            out["counts"] = np.concatenate([self.counts, np.zeros((n, v), np.int32)])
+            out["seen"] = np.concatenate([self.seen, np.zeros((n, v), bool)])
+        return out
+
+
+def _pick(logits, s, pos):
+    """Penalties (when present) then sampling, for f32[B, V] logits."""
+    if "counts" in s:
+        logits = apply_penalties(
+            logits, s["counts"], s["seen"], s["presence"], s["frequency"], s["repetition"]
+        )
+    return sample(logits, s["temperature"], s["top_k"], s["top_p"], s["min_p"], s["seed"], pos)
 
 
 def _prefill_program(family, cfg, params, k, v, tokens, positions, page_table, logits_index, s):
     logits, k, v = family.forward(cfg, params, tokens, positions, k, v, page_table, logits_index)
     pos = jnp.take_along_axis(positions, logits_index[:, None], axis=1)[:, 0] + 1
-    nxt = sample(logits, *s[:4], s[4], pos)
-    return nxt, logits, k, v
+    return _pick(logits, s, pos), logits, k, v
 
 
 def _decode_program(family, cfg, n_steps, want_logits, params, k, v, tokens, positions, pt, s):
     zeros = jnp.zeros(tokens.shape, jnp.int32)
 
-    def step(carry, _):
-        k, v, tok, pos = carry
-        logits, k, v = family.forward(cfg, params, tok[:, None], pos[:, None], k, v, pt, zeros)
-        nxt = sample(logits, *s[:4], s[4], pos + 1)
-        pos = jnp.where(pos >= 0, pos + 1, -1)
-        return (k, v, nxt, pos), (nxt, logits if want_logits else None)
+    rows = jnp.arange(tokens.shape[0])
 
-    (k, v, _, _), (toks, logits) = jax.lax.scan(
-        step, (k, v, tokens, positions), None, length=n_steps
+    def step(carry, _):
+        k, v, tok, pos, s = carry
+        logits, k, v = family.forward(cfg, params, tok[:, None], pos[:, None], k, v, pt, zeros)
+        nxt = _pick(logits, s, pos + 1)
+        if "counts" in s:  # later steps of a multi-step call see this step's token
+            s = s | {
+                "counts": s["counts"].at[rows, nxt].add(1),
+                "seen": s["seen"].at[rows, nxt].set(True),
+            }
+        pos = jnp.where(pos >= 0, pos + 1, -1)
+        return (k, v, nxt, pos, s), (nxt, logits if want_logits else None)
+
+    (k, v, _, _, _), (toks, logits) = jax.lax.scan(
+        step, (k, v, tokens, positions, s), None, length=n_steps
     )
     return toks, logits, k, v
 
@@ -158,7 +224,7 @@ class XlaRunner:
         last = np.maximum((positions >= 0).sum(axis=1) - 1, 0).astype(np.int32)
         last = np.concatenate([last, np.zeros(b - n, np.int32)])
         pt = self._pad_table(page_table, b)
-        self.program_keys.add(("prefill", b, tb, pt.shape[1]))
+        self.program_keys.add(("prefill", b, tb, pt.shape[1], sampling.counts is not None))
         nxt, logits, self.pool.k, self.pool.v = self._prefill(
             self.params, self.pool.k, self.pool.v, tok, pos, pt, last, sampling.padded(b)
         )
@@ -194,7 +260,8 @@ class XlaRunner:
                 partial(_decode_program, self.family, self.cfg, n_steps, want_logits),
                 donate_argnums=(1, 2),
             )
-        self.program_keys.add(("decode", b, pt.shape[1], n_steps, want_logits))
+        penalized = sampling.counts is not None
+        self.program_keys.add(("decode", b, pt.shape[1], n_steps, want_logits, penalized))
         toks, logits, self.pool.k, self.pool.v = self._decode[key](
             self.params, self.pool.k, self.pool.v, tok, pos, pt, sampling.padded(b)
         )

@@ -75,9 +75,14 @@ class OfflineGenerator:
                 f"the context length {self.max_context}"
             )
 
+    def _rows(self, sampling: SamplingParams, prompt: list[int], out: list[int]):
+        return SamplingArrays.build(
+            [sampling.as_row()], [(list(prompt), out)], self.model.cfg.vocab_size
+        )
+
     def prefill(self, prompt_ids: list[int], sampling: SamplingParams) -> tuple[int, np.ndarray]:
         """Writes the prompt's KV chunk by chunk; returns (first sampled token, its logits)."""
-        rows = SamplingArrays.build([sampling.as_row()])
+        rows = self._rows(sampling, prompt_ids, [])
         ids = np.asarray(prompt_ids, np.int32)
         for start in range(0, len(ids), self.prefill_chunk):
             chunk = ids[start : start + self.prefill_chunk]
@@ -100,7 +105,7 @@ class OfflineGenerator:
         tok, _ = self.prefill(prompt_ids, sampling)
         yield tok
         count, last = 1, tok
-        rows = SamplingArrays.build([sampling.as_row()])
+        out = [tok]
         pos = len(prompt_ids)  # position of `last`
         steps = self.runner.step_cfg.steps_per_call
         while last not in stops and count < max_new_tokens:
@@ -108,11 +113,12 @@ class OfflineGenerator:
                 np.array([last], np.int32),
                 np.array([pos], np.int32),
                 self.page_table,
-                rows,
+                self._rows(sampling, prompt_ids, out),
                 n_steps=steps,
             )
             for t in toks[: min(steps, max_new_tokens - count), 0].tolist():
                 count, last, pos = count + 1, int(t), pos + 1
+                out.append(last)
                 yield last
                 if last in stops:
                     break

@@ -18,6 +18,10 @@ def _requests(n: int, vocab: int, seed: int = 0):
     for i in range(n):
         prompt = rng.integers(0, vocab, int(rng.integers(3, 60))).tolist()
         sp = SamplingParams() if i % 2 else SamplingParams(temperature=0.8, top_k=20, seed=i)
+        if i % 3 == 0:  # some rows penalized: the batch mixes penalized and plain rows
+            sp = SamplingParams(
+                sp.temperature, sp.top_k, seed=i, repetition_penalty=1.3, frequency_penalty=0.2
+            )
         out.append((f"r{i}", prompt, sp, int(rng.integers(1, 24))))
     return out
 

@@ -295,3 +295,28 @@ def test_prompt_larger_than_pool_is_rejected(tiny_model):
     small = DecodeEngine(tiny_model, EngineConfig(kv_budget_bytes=9 * per_page, max_context=512))
     with pytest.raises(RequestError, match="needs 13 pages, the whole pool has 8"):
         small.validate([1] * 200, 1)
+
+
+def test_logprobs_and_penalties_over_grpc(worker, tiny_model):
+    engine, addr = worker
+    prompt = [5, 6, 7, 8]
+
+    async def main():
+        async with grpc.aio.insecure_channel(addr) as ch:
+            stub = decode_pb2_grpc.DecodeStub(ch)
+            req = _req("lp", prompt, 5)
+            req.logprobs = 3
+            return [r async for r in stub.Generate(req)]
+
+    resps = asyncio.run(main())
+    lps = [lp for r in resps for lp in r.logprobs]
+    toks = [t for r in resps for t in r.token_ids]
+    assert len(lps) == len(toks) == 5
+    for lp, t in zip(lps, toks):
+        assert lp.token_id == t and lp.top_token_ids[0] == t and len(lp.top_token_ids) == 3
+        assert lp.logprob <= 0 and list(lp.top_logprobs) == sorted(lp.top_logprobs, reverse=True)
+    # The first token's logprob equals log-softmax of the prompt's last logits.
+    _, logits = OfflineGenerator(tiny_model, max_context=128).prefill(prompt, SamplingParams())
+    ref = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+    assert abs(lps[0].logprob - ref[toks[0]]) < 1e-4
+    _assert_pool_clean(engine)

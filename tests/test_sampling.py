@@ -101,3 +101,50 @@ def test_multi_step_sampling_equals_single_step(tiny_model):
 def test_bad_sampling_params(kw, match):
     with pytest.raises(RequestError, match=match):
         SamplingParams(**kw)
+
+
+def test_penalties_match_numpy_reference():
+    from kernels.sampling import apply_penalties
+
+    rng = np.random.default_rng(4)
+    logits = rng.standard_normal((3, 50)).astype(np.float32) * 3
+    counts = rng.integers(0, 3, (3, 50)).astype(np.int32)
+    seen = (counts > 0) | (rng.random((3, 50)) < 0.2)
+    pres = np.array([0.0, 0.5, -0.3], np.float32)
+    freq = np.array([0.2, 0.0, 1.0], np.float32)
+    rep = np.array([1.3, 1.0, 0.8], np.float32)
+    want = logits.copy()
+    for b in range(3):
+        for v in range(50):
+            x = want[b, v]
+            if seen[b, v]:
+                x = x / rep[b] if x > 0 else x * rep[b]
+            want[b, v] = x - pres[b] * (counts[b, v] > 0) - freq[b] * counts[b, v]
+    got = jax.jit(apply_penalties)(logits, counts, seen, pres, freq, rep)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_penalized_multi_step_equals_single_step(tiny_model):
+    sp = SamplingParams(
+        temperature=0.7, seed=5, repetition_penalty=1.5, frequency_penalty=0.4, presence_penalty=0.3
+    )
+    a = OfflineGenerator(tiny_model, max_context=128).generate([4, 4, 4, 9], 16, sp).token_ids
+    b = OfflineGenerator(tiny_model, max_context=128, steps_per_call=4)
+    assert b.generate([4, 4, 4, 9], 16, sp).token_ids == a
+    greedy_rep = SamplingParams(repetition_penalty=10.0)
+    plain = OfflineGenerator(tiny_model, max_context=128).generate([4, 4, 4, 9], 16).token_ids
+    out = OfflineGenerator(tiny_model, max_context=128).generate([4, 4, 4, 9], 16, greedy_rep)
+    assert out.token_ids != plain
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"presence_penalty": 3.0}, "presence_penalty=3.0"),
+        ({"frequency_penalty": float("inf")}, "frequency_penalty=inf"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty=0.0"),
+    ],
+)
+def test_bad_penalties(kw, match):
+    with pytest.raises(RequestError, match=match):
+        SamplingParams(**kw)
