@@ -86,3 +86,20 @@ def test_admission_does_not_stall_running_streams(tiny_model):
     # "a" gets a token at every decode step: prefill chunks of "b" run beside decode steps.
     gaps = np.diff(steps[1:])
     assert gaps.max() == 1, gaps
+
+
+def test_full_queue_is_refused_and_nothing_leaks(tiny_model):
+    from decode_service.engine import Full
+
+    engine = DecodeEngine(
+        tiny_model,
+        EngineConfig(max_context=64, scheduler=SchedulerConfig(max_running=2, max_waiting=3)),
+    )
+    for i in range(3):
+        engine.submit(Sequence(f"q{i}", [1, 2], SamplingParams(), 2, frozenset()), lambda e: None)
+    with pytest.raises(Full, match="queue full"):
+        engine.submit(Sequence("q3", [1, 2], SamplingParams(), 2, frozenset()), lambda e: None)
+    while not engine.idle:
+        engine.run_once()
+    engine.alloc.check_invariants()
+    assert engine.alloc.all_free_or_cached()

@@ -94,89 +94,34 @@ def test_64_concurrent_streams_equal_solo(worker, tiny_model):
     _assert_pool_clean(engine)
 
 
+def _bad(rid="b", prompt=(1,), max_tokens=3, **sampling):
+    return decode_pb2.GenerateRequest(
+        request_id=rid,
+        prompt_token_ids=list(prompt),
+        sampling=decode_pb2.SamplingParams(**sampling),
+        stopping=decode_pb2.StoppingParams(max_tokens=max_tokens),
+    )
+
+
+_INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
 @pytest.mark.parametrize(
     "req,code,match",
     [
-        (_req("b1", [1, 2], 4, SamplingParams.__new__(SamplingParams)), None, None),
-    ][:0]
-    + [
-        (
-            decode_pb2.GenerateRequest(
-                request_id="b",
-                prompt_token_ids=[1],
-                sampling=decode_pb2.SamplingParams(temperature=-1),
-                stopping=decode_pb2.StoppingParams(max_tokens=3),
-            ),
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "temperature=-1",
-        ),
-        (
-            decode_pb2.GenerateRequest(
-                request_id="b",
-                prompt_token_ids=[1],
-                sampling=decode_pb2.SamplingParams(temperature=float("nan")),
-                stopping=decode_pb2.StoppingParams(max_tokens=3),
-            ),
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "temperature=nan",
-        ),
-        (
-            decode_pb2.GenerateRequest(
-                request_id="b",
-                prompt_token_ids=[1],
-                sampling=decode_pb2.SamplingParams(top_p=1.5),
-                stopping=decode_pb2.StoppingParams(max_tokens=3),
-            ),
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "top_p=1.5",
-        ),
-        (
-            decode_pb2.GenerateRequest(
-                request_id="b",
-                prompt_token_ids=[1],
-                sampling=decode_pb2.SamplingParams(top_k=-1),
-                stopping=decode_pb2.StoppingParams(max_tokens=3),
-            ),
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "top_k=-1",
-        ),
-        (
-            decode_pb2.GenerateRequest(
-                request_id="b",
-                prompt_token_ids=[1],
-                stopping=decode_pb2.StoppingParams(max_tokens=0),
-            ),
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "max_tokens=0",
-        ),
-        (
-            decode_pb2.GenerateRequest(
-                request_id="b",
-                prompt_token_ids=[1],
-                stopping=decode_pb2.StoppingParams(max_tokens=500),
-            ),
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "context limit 128",
-        ),
-        (
-            decode_pb2.GenerateRequest(
-                request_id="b",
-                prompt_token_ids=[1, 96000],
-                stopping=decode_pb2.StoppingParams(max_tokens=3),
-            ),
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "96000",
-        ),
-        (
-            decode_pb2.GenerateRequest(
-                request_id="",
-                prompt_token_ids=[1],
-                stopping=decode_pb2.StoppingParams(max_tokens=3),
-            ),
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "request_id is empty",
-        ),
+        (_bad(temperature=-1), _INVALID, "temperature=-1"),
+        (_bad(temperature=float("nan")), _INVALID, "temperature=nan"),
+        (_bad(top_p=1.5), _INVALID, "top_p=1.5"),
+        (_bad(top_p=-0.5), _INVALID, "top_p=-0.5"),
+        (_bad(top_k=-1), _INVALID, "top_k=-1"),
+        (_bad(repetition_penalty=-2), _INVALID, "repetition_penalty=-2"),
+        (_bad(max_tokens=0), _INVALID, "max_tokens=0"),
+        (_bad(max_tokens=500), _INVALID, "context limit 128"),
+        (_bad(prompt=(1, 96000)), _INVALID, "96000"),
+        (_bad(prompt=()), _INVALID, "prompt_token_ids is empty"),
+        (_bad(rid=""), _INVALID, "request_id is empty"),
     ],
+    ids=lambda x: x if isinstance(x, str) else None,
 )
 def test_bad_input_status_codes(worker, req, code, match):
     engine, addr = worker
@@ -209,7 +154,7 @@ def test_unknown_release_is_not_found(worker):
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("how", ["cancel", "deadline", "release"])
+@pytest.mark.parametrize("how", ["cancel", "deadline", "release", "disconnect"])
 def test_cancellation_frees_pages(worker, how):
     engine, addr = worker
 
@@ -227,8 +172,10 @@ def test_cancellation_frees_pages(worker, how):
                         call.cancel()
                     if got == 3 and how == "release":
                         await stub.Release(decode_pb2.ReleaseRequest(request_id=f"x-{how}"))
+                    if got == 3 and how == "disconnect":
+                        await ch.close()  # the client goes away mid-stream
                     await asyncio.sleep(0.02)
-            if how != "cancel":
+            if how in ("release", "deadline"):
                 want = {
                     "release": grpc.StatusCode.CANCELLED,
                     "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,

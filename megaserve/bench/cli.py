@@ -39,6 +39,13 @@ def add_bench(sub) -> None:
     m.add_argument("--warmup", type=int, default=2)
     m.add_argument("--json-out")
     m.set_defaults(func=cmd_bench_moe)
+    sv = bsub.add_parser("server", help="decode worker over real gRPC vs the in-process step")
+    sv.add_argument("--checkpoint", default="smollm2")
+    sv.add_argument("--concurrency", default="1,8,32")
+    sv.add_argument("--prompt-len", type=int, default=128)
+    sv.add_argument("--new-tokens", type=int, default=64)
+    sv.add_argument("--json-out")
+    sv.set_defaults(func=cmd_bench_server)
 
 
 def _peer_rows(a, gguf: Path, batches: list[int]) -> list[dict]:
@@ -168,4 +175,42 @@ def cmd_bench_moe(a: argparse.Namespace) -> int:
         )
     if a.json_out:
         Path(a.json_out).write_text(json.dumps({"bandwidth_Bps": bw, "rows": rows}, indent=1))
+    return 0
+
+
+def cmd_bench_server(a: argparse.Namespace) -> int:
+    from megaserve.bench.decode import bench_ours
+    from megaserve.bench.server import admission_cost, bench_server
+    from megaserve.logs import configure
+    from megaserve.model import LoadedModel
+
+    configure("warning")
+    model = LoadedModel.load(a.checkpoint, progress=False)
+    rows = []
+    print(
+        f"{'conc':>5}{'server tok/s':>13}{'in-proc tok/s':>14}{'ratio':>7}{'ITL p50':>9}"
+        f"{'ITL p99':>9}{'TTFT p50':>10}"
+    )
+    for c in (int(x) for x in a.concurrency.split(",")):
+        r = bench_server(model, c, a.prompt_len, a.new_tokens)
+        # The same step in-process, at the context the streams average mid-generation.
+        ctx = a.prompt_len + a.new_tokens // 2
+        ref = bench_ours(model, c, ctx, steps=8, warmup=2, bandwidth=1e12)
+        r["inproc_tokens_per_s"] = ref.tokens_per_s
+        r["ratio"] = r["decode_tokens_per_s"] / ref.tokens_per_s
+        rows.append(r)
+        print(
+            f"{c:>5}{r['decode_tokens_per_s']:>13.1f}{ref.tokens_per_s:>14.1f}"
+            f"{r['ratio']:>7.2f}{r['itl_p50_ms']:>9.1f}{r['itl_p99_ms']:>9.1f}"
+            f"{r['ttft_p50_ms']:>10.1f}"
+        )
+    adm = admission_cost(model)
+    print(
+        f"admission of a {adm['prompt_len']}-token prompt beside {adm['running']} streams: "
+        f"their ITL median {adm['itl_median_ms']:.1f} ms, max during the admission "
+        f"{adm['itl_max_during_admission_ms']:.1f} ms"
+    )
+    rows.append({"admission": adm})
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps(rows, indent=1))
     return 0
