@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from decode_service.page_allocator import PageAllocator
+from decode_service.page_allocator import OutOfPages, PageAllocator
 from decode_service.scheduler import Scheduler, SchedulerConfig
 from decode_service.sequence import Sequence
 from kernels.kv_cache import KVPool
@@ -62,9 +62,12 @@ class Reservation:
     """Pages held for a request whose KV a prefill worker will send; freed at `expires`."""
 
     request_id: str
+    prompt: list[int]
     pages: list[int]
     cached_pages: int
     expires: float
+    first_token: int | None = None  # set when the imported KV is committed
+    waiter: Sequence | None = None  # the Generate call attached to this reservation
 
 
 class DecodeEngine:
@@ -143,6 +146,15 @@ class DecodeEngine:
                 raise Full(f"queue full ({self.cfg.scheduler.max_waiting} waiting); retry later")
             self._live[seq.request_id] = seq
             self._sinks[seq.request_id] = sink
+        if seq.request_id in self.reservations:
+            try:
+                self._call(self._attach, seq)
+            except RequestError:
+                with self._lock:
+                    self._live.pop(seq.request_id, None)
+                    self._sinks.pop(seq.request_id, None)
+                raise
+            return
         self._inbox.put(seq)
         self._wake.set()
 
@@ -184,15 +196,18 @@ class DecodeEngine:
 
     def _reserve(self, request_id: str, prompt: list[int], lease_s: float) -> Reservation:
         if request_id in self.reservations or request_id in self._live:
-            raise RequestError(f"request_id {request_id!r} is already running")
+            raise RequestError(f"request_id {request_id!r} is already reserved or running")
         hashes = block_hashes(prompt[: len(prompt) - 1], self.cfg.page_size)
         hit = self.alloc.match_prefix(hashes)
         need = -(-len(prompt) // self.cfg.page_size) - len(hit)
-        if need > self.alloc.num_available:
-            raise Full(f"reservation needs {need} pages, {self.alloc.num_available} free; retry")
         self.alloc.acquire(hit)
+        try:
+            fresh = self.alloc.allocate(need)
+        except OutOfPages as e:
+            self.alloc.release(hit)
+            raise Full(f"reservation needs {need} pages: {e}; retry") from e
         res = Reservation(
-            request_id, hit + self.alloc.allocate(need), len(hit), time.monotonic() + lease_s
+            request_id, list(prompt), hit + fresh, len(hit), time.monotonic() + lease_s
         )
         self.reservations[request_id] = res
         return res
@@ -202,7 +217,59 @@ class DecodeEngine:
         if res is None:
             return False
         self.alloc.release(res.pages)
+        if res.waiter is not None:  # a Generate call was waiting for this KV
+            self._send(res.waiter, [], "abort", True)
+            with self._lock:
+                self._live.pop(request_id, None)
+                self._sinks.pop(request_id, None)
         return True
+
+    def reservation(self, request_id: str) -> Reservation | None:
+        return self.reservations.get(request_id)
+
+    def drop_reservation(self, request_id: str) -> bool:
+        """Frees a reservation (e.g. after a failed transfer); False if unknown."""
+        return self._call(self._drop_reservation, request_id)
+
+    def commit_import(
+        self, request_id: str, first_token: int, k: np.ndarray, v: np.ndarray
+    ) -> None:
+        """Writes complete imported pages into the pool and readies the request."""
+        self._call(self._commit_import, request_id, first_token, k, v)
+
+    def _commit_import(self, request_id, first_token, k, v) -> None:
+        res = self.reservations.get(request_id)
+        if res is None:
+            raise RequestError(f"reservation {request_id!r} expired before its KV committed")
+        self.pool.write_pages(np.asarray(res.pages[res.cached_pages :], np.int32), k, v)
+        res.first_token = int(first_token)
+        res.expires = float("inf")  # the KV is in; the lease now only waits for Generate
+        if res.waiter is not None:
+            self._start_imported(res)
+
+    def _start_imported(self, res: Reservation) -> None:
+        """The reservation's pages become the sequence's; it decodes from the first token."""
+        seq = res.waiter
+        del self.reservations[res.request_id]
+        seq.pages = res.pages
+        seq.num_computed = len(seq.prompt)
+        seq.num_cached_tokens = res.cached_pages * self.cfg.page_size
+        seq.num_registered = res.cached_pages
+        self.sched.register_full_pages(seq)
+        seq.arrival_step = self.steps
+        self._emit(seq, [res.first_token], first=True)
+        if seq.state.value != "finished":
+            self.sched.add_ready(seq)
+
+    def _attach(self, seq: Sequence) -> None:
+        res = self.reservations[seq.request_id]
+        if res.prompt != seq.prompt:
+            raise RequestError(
+                f"request {seq.request_id!r}: prompt differs from the reserved prompt"
+            )
+        res.waiter = seq
+        if res.first_token is not None:
+            self._start_imported(res)
 
     def _expire_reservations(self) -> None:
         now = time.monotonic()

@@ -33,6 +33,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.prefilling: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.ready: deque[Sequence] = deque()  # KV imported from a prefill worker
         self.preemptions = 0
 
     @property
@@ -42,8 +43,19 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def add_ready(self, seq: Sequence) -> None:
+        """A sequence whose prompt KV is already in its pages; it joins the batch next plan."""
+        self.ready.append(seq)
+
+    def _slots(self) -> int:
+        return self.cfg.max_running - len(self.running) - len(self.prefilling)
+
     def _admit(self) -> None:
-        """Moves waiting sequences in FCFS order into prefill while pages and slots allow."""
+        """Moves ready, then waiting sequences (FCFS) in while pages and batch slots allow."""
+        while self.ready and self._slots() > 0:
+            seq = self.ready.popleft()
+            seq.state = SeqState.RUNNING
+            self.running.append(seq)
         while self.waiting and len(self.running) + len(self.prefilling) < self.cfg.max_running:
             seq = self.waiting[0]
             tokens = seq.tokens
@@ -143,5 +155,7 @@ class Scheduler:
             self.prefilling.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
+        if seq in self.ready:
+            self.ready.remove(seq)
         self.alloc.release(seq.pages)
         seq.pages = []

@@ -15,7 +15,7 @@ from decode_service.engine import DecodeEngine, Full, TokenEvent
 from decode_service.metrics import WorkerMetrics
 from decode_service.sequence import Sequence
 from megaserve.errors import RequestError
-from megaserve.rpc import decode_pb2, decode_pb2_grpc
+from megaserve.rpc import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, kv_transfer_pb2_grpc
 from megaserve.sampling_params import SamplingParams
 
 _FINISH = {
@@ -24,6 +24,7 @@ _FINISH = {
     "length": decode_pb2.FINISH_REASON_LENGTH,
 }
 SERVICE = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
+KV_SERVICE = kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
 log = structlog.get_logger("megaserve.decode")
 
 
@@ -156,13 +157,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
 async def create_server(engine: DecodeEngine, address: str = "127.0.0.1:0"):
     """Builds and starts the server; returns (server, bound port, health, servicer)."""
-    server = grpc.aio.server()
+    # KV chunks can be several MB; senders split by layer and page group below this.
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
     servicer = DecodeServicer(engine)
     decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
+    from decode_service.kv_service import KVTransferServicer
+
+    kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(engine), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        (SERVICE, KV_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     port = server.add_insecure_port(address)
     if port == 0:

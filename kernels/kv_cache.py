@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+@partial(jax.jit, donate_argnums=(0, 1))
+def _write_pages(k, v, pages, k_new, v_new):
+    return k.at[:, pages].set(k_new.astype(k.dtype)), v.at[:, pages].set(v_new.astype(v.dtype))
 
 
 @dataclass
@@ -51,6 +57,10 @@ class KVPool:
         """Bytes of K and V one page holds across all layers."""
         per = int(np.prod(self.k.shape)) // self.num_pages * self.k.dtype.itemsize
         return 2 * per
+
+    def write_pages(self, pages: np.ndarray, k_new: np.ndarray, v_new: np.ndarray) -> None:
+        """Writes whole pages (imported KV): k_new/v_new [L, len(pages), page_size, Hkv, D]."""
+        self.k, self.v = _write_pages(self.k, self.v, jnp.asarray(pages, jnp.int32), k_new, v_new)
 
     @staticmethod
     def pages_for_budget(budget_bytes: int, bytes_per_page: int) -> int:

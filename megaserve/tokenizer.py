@@ -42,7 +42,9 @@ class TextTokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        """Token ids of text. With add_special_tokens, the tokenizer.json post-processor runs
+        (as `tokenizer(text)` in transformers, e.g. Llama 3's BOS) and GGUF's add_bos applies."""
+        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self.add_bos and self.bos_token is not None:
             bos = self.backend.token_to_id(self.bos_token)
             if bos is not None and (not ids or ids[0] != bos):

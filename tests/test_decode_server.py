@@ -267,3 +267,19 @@ def test_logprobs_and_penalties_over_grpc(worker, tiny_model):
     ref = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
     assert abs(lps[0].logprob - ref[toks[0]]) < 1e-4
     _assert_pool_clean(engine)
+
+
+def test_server_reflection_lists_services(worker):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    _, addr = worker
+
+    async def main():
+        async with grpc.aio.insecure_channel(addr) as ch:
+            stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+            req = reflection_pb2.ServerReflectionRequest(list_services="")
+            async for resp in stub.ServerReflectionInfo(iter([req])):
+                return {s.name for s in resp.list_services_response.service}
+
+    names = asyncio.run(main())
+    assert {"megaserve.internal.v1.Decode", "grpc.health.v1.Health"} <= names

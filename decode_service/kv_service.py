@@ -1,0 +1,75 @@
+"""The decode worker's KVTransfer endpoint: stage validated chunks, commit a whole request."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import structlog
+
+from decode_service.engine import DecodeEngine
+from decode_service.kv_import import KVImport, PageGeometry, TransferError
+from megaserve.errors import RequestError
+from megaserve.rpc import kv_transfer_pb2, kv_transfer_pb2_grpc
+
+log = structlog.get_logger("megaserve.kv")
+
+
+class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
+    def __init__(self, engine: DecodeEngine):
+        self.engine = engine
+        mc = engine.model.cfg
+        self.geo = PageGeometry(
+            mc.num_layers,
+            engine.cfg.page_size,
+            mc.num_kv_heads,
+            mc.head_dim,
+            str(engine.pool.k.dtype),
+        )
+        self.bytes_committed = 0
+        self.failures = 0
+
+    async def Push(self, request_iterator, context):  # noqa: N802
+        rid = None
+        imp: KVImport | None = None
+        try:
+            async for msg in request_iterator:
+                kind = msg.WhichOneof("kind")
+                if imp is None:
+                    if kind != "header":
+                        raise TransferError("the first message of a push must be its header")
+                    rid = msg.header.request_id
+                    res = self.engine.reservation(rid)
+                    if res is None:
+                        await context.abort(
+                            grpc.StatusCode.NOT_FOUND,
+                            f"no open reservation {rid!r} (unknown or expired)",
+                        )
+                    if res.first_token is not None:
+                        raise TransferError(f"reservation {rid!r} already has its KV")
+                    imp = KVImport(self.geo, len(res.pages), res.cached_pages, msg.header)
+                    continue
+                if kind != "chunk":
+                    raise TransferError("a second header in one push")
+                imp.add(msg.chunk)
+            if imp is None:
+                raise TransferError("empty push: no header")
+            if not imp.complete:
+                self.failures += 1
+                await asyncio.to_thread(self.engine.drop_reservation, rid)
+                await context.abort(
+                    grpc.StatusCode.DATA_LOSS,
+                    f"stream ended with {imp.missing} (layer, page) cells missing; "
+                    f"reservation {rid!r} freed",
+                )
+            await asyncio.to_thread(
+                self.engine.commit_import, rid, imp.header.first_token, imp.k, imp.v
+            )
+        except (TransferError, RequestError) as e:
+            self.failures += 1
+            if rid is not None:
+                await asyncio.to_thread(self.engine.drop_reservation, rid)
+            log.warning("kv push refused", request_id=rid, error=str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e}; reservation freed")
+        self.bytes_committed += imp.bytes
+        return kv_transfer_pb2.KVPushResponse(bytes=imp.bytes, chunks=imp.chunks)

@@ -1,0 +1,140 @@
+"""KV pages pushed over the gRPC transport into a decode worker's reservation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+
+from kernels.kv_cache import KVPool
+from kernels.xla_step import SamplingArrays, StepConfig, XlaRunner
+from megaserve.offline import OfflineGenerator
+from megaserve.rpc import decode_pb2, decode_pb2_grpc, kv_transfer_pb2_grpc
+from prefill_service.kv_sender import extract_pages, push_messages
+from tests.test_decode_server import _assert_pool_clean, _req, worker  # noqa: F401
+
+
+def _prefill_elsewhere(model, prompt, page_size=16):
+    """A stand-in prefill worker: its own pool; returns (first token, K, V of all pages)."""
+    cfg = model.cfg
+    n = -(-len(prompt) // page_size)
+    pool = KVPool.create(cfg.num_layers, n + 1, page_size, cfg.num_kv_heads, cfg.head_dim)
+    r = XlaRunner(model.family, cfg, model.params, pool, StepConfig(max_pages_per_seq=n))
+    pages = list(range(1, n + 1))
+    nxt, _ = r.prefill(
+        np.array([prompt], np.int32),
+        np.arange(len(prompt))[None].astype(np.int32),
+        np.array([pages], np.int32),
+        SamplingArrays.greedy(1),
+    )
+    k, v = extract_pages(pool, pages)
+    return int(nxt[0]), k, v
+
+
+async def _reserve_push_generate(addr, rid, prompt, first, k, v, n_new, mutate=None):
+    async with grpc.aio.insecure_channel(addr) as ch:
+        dec = decode_pb2_grpc.DecodeStub(ch)
+        res = await dec.Reserve(decode_pb2.ReserveRequest(request_id=rid, prompt_token_ids=prompt))
+        c = res.cached_pages
+        msgs = list(push_messages(rid, first, c, k[:, c:], v[:, c:], max_chunk_bytes=4096))
+        if mutate:
+            msgs = mutate(msgs)
+        push = await kv_transfer_pb2_grpc.KVTransferStub(ch).Push(iter(msgs))
+        toks = [t async for r in dec.Generate(_req(rid, prompt, n_new)) for t in r.token_ids]
+        return res, push, toks
+
+
+def test_imported_kv_decodes_like_local_prefill(worker, tiny_model):  # noqa: F811
+    engine, addr = worker
+    solo = OfflineGenerator(tiny_model, max_context=128)
+    rng = np.random.default_rng(11)
+    base = rng.integers(0, tiny_model.cfg.vocab_size, 40).tolist()
+    # Second prompt shares the first two full pages: only the rest may travel.
+    for i, prompt in enumerate([base, base[:32] + rng.integers(0, 90, 20).tolist()]):
+        first, k, v = _prefill_elsewhere(tiny_model, prompt)
+        res, push, toks = asyncio.run(
+            _reserve_push_generate(addr, f"imp{i}", prompt, first, k, v, 12)
+        )
+        assert toks == solo.generate(prompt, 12, ignore_eos=True).token_ids
+        per_page = 2 * k[:, 0].nbytes
+        assert res.cached_pages == (0 if i == 0 else 2)
+        assert push.bytes == (res.total_pages - res.cached_pages) * per_page
+    _assert_pool_clean(engine)
+
+
+def _corrupt(msgs):
+    c = msgs[2].chunk
+    c.data = bytes([c.data[0] ^ 1]) + c.data[1:]
+    return msgs
+
+
+def _reshape(msgs):
+    msgs[1].chunk.shape[4] = 99
+    return msgs
+
+
+def _retype(msgs):
+    msgs[0].header.dtype = "bfloat16"
+    return msgs
+
+
+@pytest.mark.parametrize(
+    "mutate,code,match",
+    [
+        (_corrupt, grpc.StatusCode.INVALID_ARGUMENT, "checksum mismatch"),
+        (_reshape, grpc.StatusCode.INVALID_ARGUMENT, "shape"),
+        (_retype, grpc.StatusCode.INVALID_ARGUMENT, "dtype='bfloat16'"),
+        (lambda m: m[:-1], grpc.StatusCode.DATA_LOSS, "cells missing"),
+        (lambda m: m + [m[1]], grpc.StatusCode.INVALID_ARGUMENT, "duplicate chunk"),
+    ],
+    ids=["checksum", "shape", "dtype", "truncated", "duplicate"],
+)
+def test_bad_transfers_are_refused_and_free_pages(worker, tiny_model, mutate, code, match):  # noqa: F811
+    engine, addr = worker
+    prompt = list(range(3, 40))
+    first, k, v = _prefill_elsewhere(tiny_model, prompt)
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        asyncio.run(
+            _reserve_push_generate(addr, f"bad-{match[:5]}", prompt, first, k, v, 3, mutate)
+        )
+    assert ei.value.code() == code and match in ei.value.details(), ei.value.details()
+    assert not engine.reservations
+    _assert_pool_clean(engine)
+
+
+def test_push_to_unknown_reservation_is_not_found(worker, tiny_model):  # noqa: F811
+    _, addr = worker
+    first, k, v = _prefill_elsewhere(tiny_model, [1, 2, 3])
+
+    async def main():
+        async with grpc.aio.insecure_channel(addr) as ch:
+            await kv_transfer_pb2_grpc.KVTransferStub(ch).Push(
+                iter(list(push_messages("ghost", first, 0, k, v)))
+            )
+
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        asyncio.run(main())
+    assert ei.value.code() == grpc.StatusCode.NOT_FOUND and "ghost" in ei.value.details()
+
+
+def test_push_after_lease_expired_is_not_found(worker, tiny_model):  # noqa: F811
+    engine, addr = worker
+    prompt = [4, 5, 6, 7]
+    first, k, v = _prefill_elsewhere(tiny_model, prompt)
+
+    async def main():
+        async with grpc.aio.insecure_channel(addr) as ch:
+            await decode_pb2_grpc.DecodeStub(ch).Reserve(
+                decode_pb2.ReserveRequest(request_id="late", prompt_token_ids=prompt, lease_ms=100)
+            )
+            await asyncio.sleep(0.4)
+            await kv_transfer_pb2_grpc.KVTransferStub(ch).Push(
+                iter(list(push_messages("late", first, 0, k, v)))
+            )
+
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        asyncio.run(main())
+    assert ei.value.code() == grpc.StatusCode.NOT_FOUND and "expired" in ei.value.details()
+    _assert_pool_clean(engine)
