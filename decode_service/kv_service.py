@@ -32,6 +32,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
     async def Push(self, request_iterator, context):  # noqa: N802
         rid = None
         imp: KVImport | None = None
+        trailer = None
         try:
             async for msg in request_iterator:
                 kind = msg.WhichOneof("kind")
@@ -49,21 +50,26 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
                         raise TransferError(f"reservation {rid!r} already has its KV")
                     imp = KVImport(self.geo, len(res.pages), res.cached_pages, msg.header)
                     continue
-                if kind != "chunk":
+                if trailer is not None:
+                    raise TransferError("a message after the trailer")
+                if kind == "trailer":
+                    trailer = msg.trailer
+                elif kind == "chunk":
+                    imp.add(msg.chunk)
+                else:
                     raise TransferError("a second header in one push")
-                imp.add(msg.chunk)
             if imp is None:
                 raise TransferError("empty push: no header")
-            if not imp.complete:
+            if not imp.complete or trailer is None:
                 self.failures += 1
                 await asyncio.to_thread(self.engine.drop_reservation, rid)
                 await context.abort(
                     grpc.StatusCode.DATA_LOSS,
-                    f"stream ended with {imp.missing} (layer, page) cells missing; "
-                    f"reservation {rid!r} freed",
+                    f"stream ended with {imp.missing} (layer, page) cells missing"
+                    f"{'' if trailer else ' and no trailer'}; reservation {rid!r} freed",
                 )
             await asyncio.to_thread(
-                self.engine.commit_import, rid, imp.header.first_token, imp.k, imp.v
+                self.engine.commit_import, rid, trailer.first_token, imp.k, imp.v
             )
         except (TransferError, RequestError) as e:
             self.failures += 1

@@ -20,9 +20,7 @@ def _kv(layers=3, pages=2, seed=0):
 
 
 def _header(**kw):
-    h = dict(
-        request_id="r", first_token=5, num_layers=3, first_page=1, num_pages=2, dtype="float32"
-    )
+    h = dict(request_id="r", num_layers=3, first_page=1, num_pages=2, dtype="float32")
     return kv_transfer_pb2.KVHeader(**(h | kw))
 
 

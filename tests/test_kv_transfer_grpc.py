@@ -86,10 +86,11 @@ def _retype(msgs):
         (_corrupt, grpc.StatusCode.INVALID_ARGUMENT, "checksum mismatch"),
         (_reshape, grpc.StatusCode.INVALID_ARGUMENT, "shape"),
         (_retype, grpc.StatusCode.INVALID_ARGUMENT, "dtype='bfloat16'"),
-        (lambda m: m[:-1], grpc.StatusCode.DATA_LOSS, "cells missing"),
-        (lambda m: m + [m[1]], grpc.StatusCode.INVALID_ARGUMENT, "duplicate chunk"),
+        (lambda m: m[:-2] + m[-1:], grpc.StatusCode.DATA_LOSS, "cells missing"),
+        (lambda m: m[:-1], grpc.StatusCode.DATA_LOSS, "no trailer"),
+        (lambda m: m[:-1] + [m[1], m[-1]], grpc.StatusCode.INVALID_ARGUMENT, "duplicate chunk"),
     ],
-    ids=["checksum", "shape", "dtype", "truncated", "duplicate"],
+    ids=["checksum", "shape", "dtype", "truncated", "no-trailer", "duplicate"],
 )
 def test_bad_transfers_are_refused_and_free_pages(worker, tiny_model, mutate, code, match):  # noqa: F811
     engine, addr = worker

@@ -6,21 +6,25 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class KVHeader(_message.Message):
-    __slots__ = ("request_id", "first_token", "num_layers", "first_page", "num_pages", "dtype")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+class KVTrailer(_message.Message):
+    __slots__ = ("first_token",)
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    first_token: int
+    def __init__(self, first_token: _Optional[int] = ...) -> None: ...
+
+class KVHeader(_message.Message):
+    __slots__ = ("request_id", "num_layers", "first_page", "num_pages", "dtype")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     FIRST_PAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    first_token: int
     num_layers: int
     first_page: int
     num_pages: int
     dtype: str
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., num_layers: _Optional[int] = ..., first_page: _Optional[int] = ..., num_pages: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., first_page: _Optional[int] = ..., num_pages: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("layer_start", "layer_end", "page_index", "shape", "data", "crc32")
@@ -39,12 +43,14 @@ class KVChunk(_message.Message):
     def __init__(self, layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., page_index: _Optional[_Iterable[int]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class KVPush(_message.Message):
-    __slots__ = ("header", "chunk")
+    __slots__ = ("header", "chunk", "trailer")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
     header: KVHeader
     chunk: KVChunk
-    def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ...) -> None: ...
+    trailer: KVTrailer
+    def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ..., trailer: _Optional[_Union[KVTrailer, _Mapping]] = ...) -> None: ...
 
 class KVPushResponse(_message.Message):
     __slots__ = ("bytes", "chunks")

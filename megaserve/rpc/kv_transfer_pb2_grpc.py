@@ -45,7 +45,7 @@ class KVTransferServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Push(self, request_iterator, context):
-        """One stream per request. The first message is a header; every later one a chunk. The
+        """One stream per request: a header, chunks, then a trailer. The
         receiver validates each chunk before staging it and commits the request's pages only
         when all expected (layer, page) cells have arrived. Errors: NOT_FOUND (unknown or
         expired reservation), INVALID_ARGUMENT (bad checksum, shape, dtype, range, duplicate),
