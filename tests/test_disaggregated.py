@@ -1,0 +1,169 @@
+"""Prefill on P, decode on D over the gRPC KV transport: tokens equal one-worker decoding."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+from decode_service.engine import DecodeEngine, EngineConfig, wait_idle
+from decode_service.scheduler import SchedulerConfig
+from decode_service.server import create_server as create_decode
+from megaserve.offline import OfflineGenerator
+from megaserve.rpc import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from megaserve.sampling_params import SamplingParams
+from prefill_service.engine import PrefillConfig, PrefillEngine
+from prefill_service.server import create_server as create_prefill
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model):
+    """A decode worker and a prefill worker, real servers on port 0, one event loop thread."""
+    dec = DecodeEngine(
+        tiny_model,
+        EngineConfig(max_context=256, scheduler=SchedulerConfig(max_running=32, prefill_chunk=32)),
+    )
+    dec.start()
+    pre = PrefillEngine(tiny_model, PrefillConfig(chunk=32, max_context=256))
+    loop = asyncio.new_event_loop()
+    box: dict = {}
+    ready = threading.Event()
+
+    def run():
+        asyncio.set_event_loop(loop)
+        box["d"], box["dp"], _, _ = loop.run_until_complete(create_decode(dec))
+        box["p"], box["pp"], _, box["ps"] = loop.run_until_complete(create_prefill(pre))
+        ready.set()
+        loop.run_forever()
+
+    threading.Thread(target=run, daemon=True).start()
+    ready.wait(30)
+    yield dec, pre, f"127.0.0.1:{box['dp']}", f"127.0.0.1:{box['pp']}", box["ps"]
+    for k in ("d", "p"):
+        asyncio.run_coroutine_threadsafe(box[k].stop(0), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    dec.stop()
+
+
+async def _disagg(d_addr, p_addr, rid, prompt, n, sp: SamplingParams):
+    """What the router does: reserve on D, prefill on P into it, stream from D."""
+    async with grpc.aio.insecure_channel(d_addr) as dch, grpc.aio.insecure_channel(p_addr) as pch:
+        dec, pre = decode_pb2_grpc.DecodeStub(dch), prefill_pb2_grpc.PrefillStub(pch)
+        res = await dec.Reserve(decode_pb2.ReserveRequest(request_id=rid, prompt_token_ids=prompt))
+        sampling = decode_pb2.SamplingParams(
+            temperature=sp.temperature, top_k=sp.top_k, seed=sp.seed
+        )
+        pr = await pre.Prefill(
+            prefill_pb2.PrefillRequest(
+                request_id=rid,
+                prompt_token_ids=prompt,
+                sampling=sampling,
+                decode_address=d_addr,
+                cached_pages=res.cached_pages,
+                page_size=res.page_size,
+            )
+        )
+        req = decode_pb2.GenerateRequest(
+            request_id=rid,
+            prompt_token_ids=prompt,
+            sampling=sampling,
+            stopping=decode_pb2.StoppingParams(max_tokens=n, ignore_eos=True),
+        )
+        toks = [t async for r in dec.Generate(req) for t in r.token_ids]
+        return res, pr, toks
+
+
+def test_100_prompts_disaggregated_equal_one_worker(stack, tiny_model):
+    dec, pre, d_addr, p_addr, _ = stack
+    rng = np.random.default_rng(21)
+    shared = [rng.integers(0, 90, 48).tolist() for _ in range(4)]  # long shared prefixes
+    cases = []
+    for i in range(100):
+        tail = rng.integers(0, 90, int(rng.integers(1, 60))).tolist()
+        prompt = (shared[i % 4] + tail) if i % 3 else tail
+        sp = SamplingParams() if i % 2 else SamplingParams(temperature=0.8, top_k=20, seed=i)
+        cases.append((f"dg{i}", prompt, sp, int(rng.integers(1, 12))))
+
+    async def main():
+        sem = asyncio.Semaphore(8)
+
+        async def one(c):
+            async with sem:
+                rid, prompt, sp, n = c
+                return await _disagg(d_addr, p_addr, rid, prompt, n, sp)
+
+        return await asyncio.gather(*(one(c) for c in cases))
+
+    results = asyncio.run(main())
+    solo = OfflineGenerator(tiny_model, max_context=256)
+    for (rid, prompt, sp, n), (_, _, toks) in zip(cases, results):
+        assert toks == solo.generate(prompt, n, sp, ignore_eos=True).token_ids, rid
+    assert sum(pr.prefix_hit_pages for _, pr, _ in results) > 0  # P's own cache worked
+    wait_idle(dec)
+    dec.alloc.check_invariants()
+    pre.alloc.check_invariants()
+    assert dec.alloc.all_free_or_cached() and pre.alloc.all_free_or_cached()
+
+
+def test_partial_prefix_hit_sends_only_missing_pages(stack, tiny_model):
+    dec, _, d_addr, p_addr, _ = stack
+    base = list(range(1, 65))  # 4 full pages
+    asyncio.run(_disagg(d_addr, p_addr, "pp0", base + [7, 8], 2, SamplingParams()))
+    res, pr, _ = asyncio.run(_disagg(d_addr, p_addr, "pp1", base + [9, 9, 9], 2, SamplingParams()))
+    cfg = tiny_model.cfg
+    per_page = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 4
+    assert res.cached_pages == 4 and res.total_pages == 5
+    assert pr.pages_sent == 1 and pr.bytes_sent == per_page
+    wait_idle(dec)
+
+
+def test_transfer_overlaps_prefill_compute(stack, tiny_model):
+    """On a long prompt the first pages leave before the last chunk is computed."""
+    dec, _, d_addr, p_addr, _ = stack
+    prompt = np.random.default_rng(5).integers(0, 90, 200).tolist()  # 7 chunks of 32
+    _, pr, _ = asyncio.run(_disagg(d_addr, p_addr, "ov", prompt, 1, SamplingParams()))
+    assert pr.first_chunk_sent_ms < pr.compute_ms, (pr.first_chunk_sent_ms, pr.compute_ms)
+    wait_idle(dec)
+
+
+def test_prefill_bad_input(stack):
+    _, _, d_addr, p_addr, _ = stack
+
+    async def main(req):
+        async with grpc.aio.insecure_channel(p_addr) as ch:
+            await prefill_pb2_grpc.PrefillStub(ch).Prefill(req)
+
+    for req, match in [
+        (
+            prefill_pb2.PrefillRequest(
+                request_id="x", prompt_token_ids=[1], decode_address=d_addr, page_size=8
+            ),
+            "page_size=8",
+        ),
+        (
+            prefill_pb2.PrefillRequest(
+                request_id="x", prompt_token_ids=[999], decode_address=d_addr, page_size=16
+            ),
+            "999",
+        ),
+        (
+            prefill_pb2.PrefillRequest(request_id="", prompt_token_ids=[1], page_size=16),
+            "request_id is empty",
+        ),
+    ]:
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            asyncio.run(main(req))
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and match in ei.value.details()
+    # Prefilling into a reservation that does not exist: the decode worker's NOT_FOUND.
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        asyncio.run(
+            main(
+                prefill_pb2.PrefillRequest(
+                    request_id="nores", prompt_token_ids=[1, 2], decode_address=d_addr, page_size=16
+                )
+            )
+        )
+    assert ei.value.code() == grpc.StatusCode.NOT_FOUND
