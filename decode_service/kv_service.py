@@ -71,6 +71,13 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
             await asyncio.to_thread(
                 self.engine.commit_import, rid, trailer.first_token, imp.k, imp.v
             )
+        except asyncio.CancelledError:
+            # The sender vanished mid-transfer (killed, disconnected): nothing partial is
+            # kept; free the reservation now rather than at the end of its lease.
+            self.failures += 1
+            if rid is not None and imp is not None and not (imp.complete and trailer):
+                self.engine.cancel(rid)
+            raise
         except (TransferError, RequestError) as e:
             self.failures += 1
             if rid is not None:

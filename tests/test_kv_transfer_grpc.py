@@ -139,3 +139,66 @@ def test_push_after_lease_expired_is_not_found(worker, tiny_model):  # noqa: F81
         asyncio.run(main())
     assert ei.value.code() == grpc.StatusCode.NOT_FOUND and "expired" in ei.value.details()
     _assert_pool_clean(engine)
+
+
+_SENDER = """
+import sys, time, grpc, numpy as np
+from megaserve.rpc import kv_transfer_pb2_grpc
+from prefill_service.kv_sender import push_messages
+addr, n_layers, n_pages, ps, h, d = sys.argv[1], *map(int, sys.argv[2:7])
+k = np.ones((n_layers, n_pages, ps, h, d), np.float32)
+msgs = list(push_messages("killme", 3, 0, k, k, max_chunk_bytes=4096))
+def slow():
+    for m in msgs[:-2]:
+        yield m
+    print("SENT", flush=True)
+    time.sleep(60)
+with grpc.insecure_channel(addr) as ch:
+    kv_transfer_pb2_grpc.KVTransferStub(ch).Push(slow())
+"""
+
+
+def test_sender_killed_mid_transfer_frees_reservation(worker, tiny_model):  # noqa: F811
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+
+    engine, addr = worker
+    prompt = list(range(1, 40))
+
+    async def reserve():
+        async with grpc.aio.insecure_channel(addr) as ch:
+            return await decode_pb2_grpc.DecodeStub(ch).Reserve(
+                decode_pb2.ReserveRequest(
+                    request_id="killme", prompt_token_ids=prompt, lease_ms=60000
+                )
+            )
+
+    res = asyncio.run(reserve())
+    cfg = tiny_model.cfg
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _SENDER,
+            addr,
+            str(cfg.num_layers),
+            str(res.total_pages),
+            "16",
+            str(cfg.num_kv_heads),
+            str(cfg.head_dim),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    assert proc.stdout.readline().strip() == "SENT"
+    proc.kill()
+    proc.wait()
+    end = time.monotonic() + 10
+    while engine.reservations and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not engine.reservations  # freed long before the 60 s lease
+    _assert_pool_clean(engine)
