@@ -12,10 +12,10 @@ import structlog
 from grpc_health.v1 import health_pb2
 
 from decode_service.engine import DecodeEngine, EngineConfig, wait_idle
-from decode_service.registration import Heartbeat
 from decode_service.scheduler import SchedulerConfig
 from decode_service.server import SERVICE, create_server
 from megaserve.model import LoadedModel
+from megaserve.registration import Heartbeat
 from megaserve.state_keys import WorkerInfo
 
 log = structlog.get_logger("megaserve.decode")

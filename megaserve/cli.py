@@ -96,6 +96,12 @@ def _decode_worker(a: argparse.Namespace) -> int:
     return worker_main(a)
 
 
+def _prefill_worker(a: argparse.Namespace) -> int:
+    from prefill_service.main import main as prefill_main
+
+    return prefill_main(a)
+
+
 def _strip_eos(ids: list[int], eos: tuple[int, ...]) -> list[int]:
     return ids[:-1] if ids and ids[-1] in eos else ids
 
@@ -112,6 +118,11 @@ def main(argv: list[str] | None = None) -> int:
 
     add_arguments(w)
     w.set_defaults(func=_decode_worker)
+    pw = sub.add_parser("prefill-worker", help="run a prefill worker (gRPC, KV hand-off)")
+    from prefill_service.main import add_arguments as add_prefill_arguments
+
+    add_prefill_arguments(pw)
+    pw.set_defaults(func=_prefill_worker)
     a = parser.parse_args(argv)
     try:
         if a.cmd == "generate":

@@ -94,3 +94,40 @@ def test_worker_process_lifecycle(redis_server):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_prefill_worker_process_registers_and_stops(redis_server):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "megaserve.cli",
+            "prefill-worker",
+            "--checkpoint",
+            str(FIXTURES / "tiny" / "llama_gqa2"),
+            "--worker-id",
+            "pw1",
+            "--redis-url",
+            redis_server.url,
+            "--kv-budget-mb",
+            "8",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=env,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert "READY prefill worker pw1" in line, line + proc.stderr.read()[-2000:]
+        r = redis.Redis.from_url(redis_server.url)
+        assert _wait(lambda: r.sismember(workers_set("prefill"), "pw1"))
+        assert r.hget(worker_key("pw1"), "role") == b"prefill"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert not r.exists(worker_key("pw1"))
+    finally:
+        if proc.poll() is None:
+            proc.kill()

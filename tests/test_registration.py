@@ -6,7 +6,7 @@ import time
 
 import redis
 
-from decode_service.registration import Heartbeat
+from megaserve.registration import Heartbeat
 from megaserve.state_keys import WorkerInfo, worker_key, workers_set
 
 

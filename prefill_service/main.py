@@ -1,0 +1,81 @@
+"""The prefill worker process: model, prefill engine, gRPC server, Redis heartbeat, SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import uuid
+
+import structlog
+from grpc_health.v1 import health_pb2
+
+from megaserve.model import LoadedModel
+from megaserve.registration import Heartbeat
+from megaserve.state_keys import WorkerInfo
+from prefill_service.engine import PrefillConfig, PrefillEngine
+from prefill_service.server import SERVICE, create_server
+
+log = structlog.get_logger("megaserve.prefill")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--checkpoint", default="smollm2")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0 = any free port)")
+    p.add_argument("--worker-id")
+    p.add_argument("--redis-url", help="register and heartbeat here (redis://host:port/db)")
+    p.add_argument("--kv-budget-mb", type=int, default=256)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-context", type=int, default=4096)
+    p.add_argument("--prefill-chunk", type=int, default=256)
+
+
+async def serve(a) -> None:
+    cfg = PrefillConfig(
+        page_size=a.page_size,
+        kv_budget_bytes=a.kv_budget_mb * 2**20,
+        max_context=a.max_context,
+        chunk=a.prefill_chunk,
+    )
+    model = LoadedModel.load(a.checkpoint, progress=False)
+    engine = PrefillEngine(model, cfg)
+    server, port, health, _ = await create_server(engine, f"{a.host}:{a.port}")
+    address = f"{a.host if a.host != '0.0.0.0' else socket.gethostname()}:{port}"
+    worker_id = a.worker_id or f"prefill-{uuid.uuid4().hex[:8]}"
+
+    def info() -> WorkerInfo:
+        al = engine.alloc
+        return WorkerInfo(
+            worker_id,
+            "prefill",
+            address,
+            model.name,
+            al.num_pages - 1,
+            al.num_available,
+            0,
+            0,
+            al.page_size,
+        )
+
+    hb = Heartbeat(a.redis_url, info).start() if a.redis_url else None
+    print(f"READY prefill worker {worker_id} grpc={address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    for name in ("", SERVICE):
+        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.stop(5.0)  # in-flight prefills get the grace period
+    if hb:
+        hb.stop(deregister=True)
+    log.info("stopped", worker_id=worker_id)
+
+
+def main(a) -> int:
+    from megaserve.logs import configure
+
+    configure()
+    asyncio.run(serve(a))
+    return 0
