@@ -79,27 +79,48 @@ class KVImport:
         want = [2, nl, idx.size, g.page_size, g.kv_heads, g.head_dim]
         if list(c.shape) != want:
             raise TransferError(f"shape {list(c.shape)} != expected {want}")
-        itemsize = np.dtype(g.dtype).itemsize
-        if len(c.data) != int(np.prod(want)) * itemsize:
-            raise TransferError(
-                f"data has {len(c.data)} bytes, shape {want} of {g.dtype} needs "
-                f"{int(np.prod(want)) * itemsize}"
-            )
-        crc = zlib.crc32(c.data)
-        if crc != c.crc32:
-            raise TransferError(f"checksum mismatch: crc32 {crc:#010x} != sent {c.crc32:#010x}")
+        if c.HasField("pull"):
+            arr = self._pull(c, want)
+        else:
+            itemsize = np.dtype(g.dtype).itemsize
+            if len(c.data) != int(np.prod(want)) * itemsize:
+                raise TransferError(
+                    f"data has {len(c.data)} bytes, shape {want} of {g.dtype} needs "
+                    f"{int(np.prod(want)) * itemsize}"
+                )
+            crc = zlib.crc32(c.data)
+            if crc != c.crc32:
+                raise TransferError(f"checksum mismatch: crc32 {crc:#010x} != sent {c.crc32:#010x}")
+            arr = None
         cols = idx - self.first
         if self.got[c.layer_start : c.layer_end][:, cols].any():
             raise TransferError(
                 f"duplicate chunk: layers [{c.layer_start}, {c.layer_end}) pages "
                 f"{list(c.page_index)} already received"
             )
-        arr = np.frombuffer(c.data, dtype=g.dtype).reshape(want)
+        if arr is None:
+            arr = np.frombuffer(c.data, dtype=g.dtype).reshape(want)
         self.k[c.layer_start : c.layer_end, cols] = arr[0]
         self.v[c.layer_start : c.layer_end, cols] = arr[1]
         self.got[c.layer_start : c.layer_end, cols] = True
         self.chunks += 1
-        self.bytes += len(c.data)
+        self.bytes += arr.nbytes
+
+    def _pull(self, c, want: list[int]) -> np.ndarray:
+        """Fetches a chunk offered on the sender's jax transfer server; checks what came."""
+        from megaserve import jax_transfer
+
+        try:
+            out = np.asarray(
+                jax_transfer.pull(c.pull.address, c.pull.uuid, tuple(want), self.geo.dtype)
+            )
+        except Exception as e:  # the transfer library raises runtime errors of its own
+            raise TransferError(
+                f"pull of uuid {c.pull.uuid} from {c.pull.address} failed: {e}"
+            ) from e
+        if list(out.shape) != want or str(out.dtype) != self.geo.dtype:
+            raise TransferError(f"pulled {out.dtype}{list(out.shape)} != {self.geo.dtype}{want}")
+        return out
 
 
 def make_chunk(k: np.ndarray, v: np.ndarray, layer_start: int, page_index: list[int]):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import structlog
@@ -16,8 +17,9 @@ log = structlog.get_logger("megaserve.kv")
 
 
 class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
-    def __init__(self, engine: DecodeEngine):
+    def __init__(self, engine: DecodeEngine, metrics=None):
         self.engine = engine
+        self.metrics = metrics
         mc = engine.model.cfg
         self.geo = PageGeometry(
             mc.num_layers,
@@ -33,6 +35,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         rid = None
         imp: KVImport | None = None
         trailer = None
+        t0 = time.perf_counter()
         try:
             async for msg in request_iterator:
                 kind = msg.WhichOneof("kind")
@@ -55,7 +58,10 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
                 if kind == "trailer":
                     trailer = msg.trailer
                 elif kind == "chunk":
-                    imp.add(msg.chunk)
+                    if msg.chunk.HasField("pull"):  # a blocking device pull: off the loop
+                        await asyncio.to_thread(imp.add, msg.chunk)
+                    else:
+                        imp.add(msg.chunk)
                 else:
                     raise TransferError("a second header in one push")
             if imp is None:
@@ -80,9 +86,14 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
             raise
         except (TransferError, RequestError) as e:
             self.failures += 1
+            if self.metrics:
+                self.metrics.kv_failures.inc()
             if rid is not None:
                 await asyncio.to_thread(self.engine.drop_reservation, rid)
             log.warning("kv push refused", request_id=rid, error=str(e))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e}; reservation freed")
         self.bytes_committed += imp.bytes
+        if self.metrics:
+            self.metrics.kv_bytes.inc(imp.bytes)
+            self.metrics.kv_seconds.observe(time.perf_counter() - t0)
         return kv_transfer_pb2.KVPushResponse(bytes=imp.bytes, chunks=imp.chunks)

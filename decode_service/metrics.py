@@ -68,6 +68,25 @@ class WorkerMetrics:
             labelnames=[*labels, "finished_reason"],
             registry=r,
         )
+        self.kv_bytes = Counter(
+            "megaserve:kv_transfer_bytes",
+            "KV payload bytes received.",
+            labelnames=list(labels),
+            registry=r,
+        ).labels(**labels)
+        self.kv_failures = Counter(
+            "megaserve:kv_transfer_failures",
+            "KV pushes refused or broken off.",
+            labelnames=list(labels),
+            registry=r,
+        ).labels(**labels)
+        self.kv_seconds = Histogram(
+            "megaserve:kv_transfer_seconds",
+            "First KV message to commit, per request.",
+            labelnames=list(labels),
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        ).labels(**labels)
         self._labels = labels
 
     def finished(self, reason: str) -> None:

@@ -163,7 +163,9 @@ async def create_server(engine: DecodeEngine, address: str = "127.0.0.1:0"):
     decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
     from decode_service.kv_service import KVTransferServicer
 
-    kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(engine), server)
+    kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(
+        KVTransferServicer(engine, servicer.metrics), server
+    )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

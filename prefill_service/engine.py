@@ -87,7 +87,7 @@ class PrefillEngine:
         """Computes the prompt; after each chunk calls on_pages(first_index, K, V) with the
         pages (all layers) completed by it, skipping the first `skip_pages` pages.
 
-        K/V are [L, n, page_size, Hkv, D]; indices count pages of this prompt from 0.
+        K/V are device arrays [L, n, page_size, Hkv, D]; indices count this prompt's pages.
         """
         import time
 
@@ -146,5 +146,7 @@ class PrefillEngine:
                 self.alloc.release(pages)
 
     def _send(self, pages, lo, hi, on_pages) -> None:
+        # Device arrays (fresh buffers, safe from later donation of the pool): the gRPC path
+        # copies them to host, the jax transfer path offers them as they are.
         idx = np.asarray(pages[lo:hi], np.int32)
-        on_pages(lo, np.asarray(self.pool.k[:, idx]), np.asarray(self.pool.v[:, idx]))
+        on_pages(lo, self.pool.k[:, idx], self.pool.v[:, idx])

@@ -72,3 +72,23 @@ def push_messages(
     yield header(request_id, k.shape[0], first_page, k.shape[1], str(k.dtype))
     yield from chunk_messages(first_page, k, v, max_chunk_bytes)
     yield trailer(first_token)
+
+
+def pull_message(first_page: int, k, v) -> kv_transfer_pb2.KVPush:
+    """A chunk whose K/V stay on device, offered on this process's jax transfer server."""
+    import jax.numpy as jnp
+
+    from megaserve import jax_transfer
+
+    arr = jnp.stack([k, v])  # [2, L, pages, page_size, Hkv, D]
+    address, uuid = jax_transfer.offer([arr])
+    n_layers, n_pages = k.shape[:2]
+    return kv_transfer_pb2.KVPush(
+        chunk=kv_transfer_pb2.KVChunk(
+            layer_start=0,
+            layer_end=n_layers,
+            page_index=list(range(first_page, first_page + n_pages)),
+            shape=list(arr.shape),
+            pull=kv_transfer_pb2.PullRef(address=address, uuid=uuid),
+        )
+    )

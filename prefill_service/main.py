@@ -25,6 +25,7 @@ def add_arguments(p) -> None:
     p.add_argument("--port", type=int, default=0, help="gRPC port (0 = any free port)")
     p.add_argument("--worker-id")
     p.add_argument("--redis-url", help="register and heartbeat here (redis://host:port/db)")
+    p.add_argument("--metrics-port", type=int, help="Prometheus /metrics on this port")
     p.add_argument("--kv-budget-mb", type=int, default=256)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-context", type=int, default=4096)
@@ -40,7 +41,9 @@ async def serve(a) -> None:
     )
     model = LoadedModel.load(a.checkpoint, progress=False)
     engine = PrefillEngine(model, cfg)
-    server, port, health, _ = await create_server(engine, f"{a.host}:{a.port}")
+    server, port, health, servicer = await create_server(engine, f"{a.host}:{a.port}")
+    if a.metrics_port is not None:
+        servicer.metrics.serve(a.metrics_port)
     address = f"{a.host if a.host != '0.0.0.0' else socket.gethostname()}:{port}"
     worker_id = a.worker_id or f"prefill-{uuid.uuid4().hex[:8]}"
 

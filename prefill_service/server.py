@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import grpc
+import numpy as np
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -21,9 +22,50 @@ log = structlog.get_logger("megaserve.prefill")
 _DONE = object()
 
 
+class PrefillMetrics:
+    """Prometheus metrics of a prefill worker (one registry per worker)."""
+
+    def __init__(self, model_name: str):
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.registry = r = CollectorRegistry()
+        lab = {"model_name": model_name}
+        self.bytes = Counter(
+            "megaserve:kv_transfer_sent_bytes",
+            "KV payload bytes sent.",
+            labelnames=list(lab),
+            registry=r,
+        ).labels(**lab)
+        self.failures = Counter(
+            "megaserve:kv_transfer_failures",
+            "Pushes the decode worker refused or that broke off.",
+            labelnames=list(lab),
+            registry=r,
+        ).labels(**lab)
+        self.compute = Histogram(
+            "megaserve:prefill_compute_seconds",
+            "Prefill compute.",
+            labelnames=list(lab),
+            registry=r,
+        ).labels(**lab)
+        self.transfer = Histogram(
+            "megaserve:kv_transfer_seconds",
+            "First chunk sent to commit.",
+            labelnames=list(lab),
+            registry=r,
+        ).labels(**lab)
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> int:
+        from prometheus_client import start_http_server
+
+        server, _ = start_http_server(port, addr=addr, registry=self.registry)
+        return server.server_address[1]
+
+
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, engine: PrefillEngine):
         self.engine = engine
+        self.metrics = PrefillMetrics(engine.model.name)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.bytes_sent = 0
         self.transfer_failures = 0
@@ -68,10 +110,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         stamps: dict[str, float] = {}
         sent = {"pages": 0, "bytes": 0}
 
+        use_jax = request.transport == prefill_pb2.TRANSPORT_JAX_TRANSFER
+
         def on_pages(first: int, k, v) -> None:  # prefill thread: hand chunks to the loop
             stamps.setdefault("first_chunk", time.perf_counter())
-            for msg in kv_sender.chunk_messages(first, k, v):
-                sent["bytes"] += len(msg.chunk.data)
+            if use_jax:
+                msgs = [kv_sender.pull_message(first, k, v)]
+                sent["bytes"] += 2 * k.nbytes
+            else:
+                msgs = list(kv_sender.chunk_messages(first, np.asarray(k), np.asarray(v)))
+                sent["bytes"] += sum(len(m.chunk.data) for m in msgs)
+            for msg in msgs:
                 loop.call_soon_threadsafe(outbox.put_nowait, msg)
             sent["pages"] += k.shape[1]
 
@@ -107,12 +156,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await call
         except grpc.aio.AioRpcError as e:
             self.transfer_failures += 1
+            self.metrics.failures.inc()
             writing.cancel()
             await context.abort(e.code(), f"decode worker refused the KV: {e.details()}")
         await writing
         t_end = time.perf_counter()
         self.bytes_sent += sent["bytes"]
         first = stamps.get("first_chunk", t_end)
+        self.metrics.bytes.inc(sent["bytes"])
+        self.metrics.compute.observe(result.compute_s)
+        self.metrics.transfer.observe(t_end - first)
         log.info(
             "prefilled",
             request_id=request.request_id,

@@ -48,7 +48,7 @@ def stack(tiny_model):
     dec.stop()
 
 
-async def _disagg(d_addr, p_addr, rid, prompt, n, sp: SamplingParams):
+async def _disagg(d_addr, p_addr, rid, prompt, n, sp: SamplingParams, transport=0):
     """What the router does: reserve on D, prefill on P into it, stream from D."""
     async with grpc.aio.insecure_channel(d_addr) as dch, grpc.aio.insecure_channel(p_addr) as pch:
         dec, pre = decode_pb2_grpc.DecodeStub(dch), prefill_pb2_grpc.PrefillStub(pch)
@@ -76,7 +76,11 @@ async def _disagg(d_addr, p_addr, rid, prompt, n, sp: SamplingParams):
         return res, pr, toks
 
 
-def test_100_prompts_disaggregated_equal_one_worker(stack, tiny_model):
+TRANSPORTS = [prefill_pb2.TRANSPORT_GRPC, prefill_pb2.TRANSPORT_JAX_TRANSFER]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS, ids=["grpc", "jax-transfer"])
+def test_100_prompts_disaggregated_equal_one_worker(stack, tiny_model, transport):
     dec, pre, d_addr, p_addr, _ = stack
     rng = np.random.default_rng(21)
     shared = [rng.integers(0, 90, 48).tolist() for _ in range(4)]  # long shared prefixes
@@ -93,7 +97,7 @@ def test_100_prompts_disaggregated_equal_one_worker(stack, tiny_model):
         async def one(c):
             async with sem:
                 rid, prompt, sp, n = c
-                return await _disagg(d_addr, p_addr, rid, prompt, n, sp)
+                return await _disagg(d_addr, p_addr, f"{rid}-{transport}", prompt, n, sp, transport)
 
         return await asyncio.gather(*(one(c) for c in cases))
 
@@ -108,11 +112,15 @@ def test_100_prompts_disaggregated_equal_one_worker(stack, tiny_model):
     assert dec.alloc.all_free_or_cached() and pre.alloc.all_free_or_cached()
 
 
-def test_partial_prefix_hit_sends_only_missing_pages(stack, tiny_model):
+@pytest.mark.parametrize("transport", TRANSPORTS, ids=["grpc", "jax-transfer"])
+def test_partial_prefix_hit_sends_only_missing_pages(stack, tiny_model, transport):
     dec, _, d_addr, p_addr, _ = stack
-    base = list(range(1, 65))  # 4 full pages
-    asyncio.run(_disagg(d_addr, p_addr, "pp0", base + [7, 8], 2, SamplingParams()))
-    res, pr, _ = asyncio.run(_disagg(d_addr, p_addr, "pp1", base + [9, 9, 9], 2, SamplingParams()))
+    base = [transport + 1] + list(range(1, 64))  # 4 full pages, distinct per transport
+    sp = SamplingParams()
+    asyncio.run(_disagg(d_addr, p_addr, f"pp0-{transport}", base + [7, 8], 2, sp, transport))
+    res, pr, _ = asyncio.run(
+        _disagg(d_addr, p_addr, f"pp1-{transport}", base + [9, 9, 9], 2, sp, transport)
+    )
     cfg = tiny_model.cfg
     per_page = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 4
     assert res.cached_pages == 4 and res.total_pages == 5

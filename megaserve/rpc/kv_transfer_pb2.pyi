@@ -27,20 +27,30 @@ class KVHeader(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., first_page: _Optional[int] = ..., num_pages: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("layer_start", "layer_end", "page_index", "shape", "data", "crc32")
+    __slots__ = ("layer_start", "layer_end", "page_index", "shape", "data", "crc32", "pull")
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
     PAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
     layer_start: int
     layer_end: int
     page_index: _containers.RepeatedScalarFieldContainer[int]
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
     crc32: int
-    def __init__(self, layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., page_index: _Optional[_Iterable[int]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+    pull: PullRef
+    def __init__(self, layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., page_index: _Optional[_Iterable[int]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., pull: _Optional[_Union[PullRef, _Mapping]] = ...) -> None: ...
+
+class PullRef(_message.Message):
+    __slots__ = ("address", "uuid")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    uuid: int
+    def __init__(self, address: _Optional[str] = ..., uuid: _Optional[int] = ...) -> None: ...
 
 class KVPush(_message.Message):
     __slots__ = ("header", "chunk", "trailer")

@@ -1,5 +1,6 @@
 from megaserve.rpc import decode_pb2 as _decode_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -7,21 +8,30 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSPORT_GRPC: _ClassVar[Transport]
+    TRANSPORT_JAX_TRANSFER: _ClassVar[Transport]
+TRANSPORT_GRPC: Transport
+TRANSPORT_JAX_TRANSFER: Transport
+
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "cached_pages", "page_size")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "cached_pages", "page_size", "transport")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _decode_pb2.SamplingParams
     decode_address: str
     cached_pages: int
     page_size: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_decode_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., cached_pages: _Optional[int] = ..., page_size: _Optional[int] = ...) -> None: ...
+    transport: Transport
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_decode_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., cached_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "pages_sent", "bytes_sent", "prefix_hit_pages", "compute_ms", "transfer_ms", "first_chunk_sent_ms")
