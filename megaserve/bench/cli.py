@@ -46,6 +46,11 @@ def add_bench(sub) -> None:
     sv.add_argument("--new-tokens", type=int, default=64)
     sv.add_argument("--json-out")
     sv.set_defaults(func=cmd_bench_server)
+    dg = bsub.add_parser("disagg", help="prefill->decode hand-off: TTFT split, KV GB/s")
+    dg.add_argument("--checkpoint", default="smollm2")
+    dg.add_argument("--lengths", default="128,1024,4096")
+    dg.add_argument("--json-out")
+    dg.set_defaults(func=cmd_bench_disagg)
 
 
 def _peer_rows(a, gguf: Path, batches: list[int]) -> list[dict]:
@@ -211,6 +216,31 @@ def cmd_bench_server(a: argparse.Namespace) -> int:
         f"{adm['itl_max_during_admission_ms']:.1f} ms"
     )
     rows.append({"admission": adm})
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+def cmd_bench_disagg(a: argparse.Namespace) -> int:
+    from megaserve.bench.disagg import bench_disagg
+    from megaserve.logs import configure
+    from megaserve.model import LoadedModel
+
+    configure("warning")
+    model = LoadedModel.load(a.checkpoint, progress=False)
+    rows = bench_disagg(model, tuple(int(x) for x in a.lengths.split(",")))
+    print(
+        f"{'transport':<14}{'prompt':>7}{'MB':>7}{'reserve':>9}{'compute':>9}{'transfer':>9}"
+        f"{'hidden':>8}{'1st tok':>9}{'1st step':>9}{'GB/s':>7}{'memcpy':>8}"
+    )
+    for r in rows:
+        print(
+            f"{r['transport']:<14}{r['prompt']:>7}{r['bytes'] / 1e6:>7.1f}"
+            f"{r['reserve_ms']:>9.1f}{r['prefill_compute_ms']:>9.1f}{r['transfer_ms']:>9.1f}"
+            f"{100 * r['hidden_fraction']:>7.0f}%{r['first_token_ms']:>9.1f}"
+            f"{r['first_decode_step_ms']:>9.1f}{r['transfer_GBps']:>7.2f}"
+            f"{r['memcpy_GBps']:>8.1f}"
+        )
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(rows, indent=1))
     return 0

@@ -1,0 +1,191 @@
+"""Disaggregated hand-off benchmark: TTFT split and KV transfer GB/s per transport."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+import numpy as np
+
+from decode_service.engine import DecodeEngine, EngineConfig
+from decode_service.scheduler import SchedulerConfig
+from decode_service.server import create_server as create_decode
+from megaserve.model import LoadedModel
+from megaserve.rpc import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from prefill_service.engine import PrefillConfig, PrefillEngine
+from prefill_service.server import create_server as create_prefill
+
+
+def memcpy_gbps(nbytes: int, repeats: int = 5) -> float:
+    """A plain host copy of the same number of bytes, best of `repeats`."""
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best / 1e9
+
+
+def _start(model: LoadedModel, max_context: int):
+    dec = DecodeEngine(
+        model,
+        EngineConfig(
+            max_context=max_context + 16,
+            kv_budget_bytes=1 << 30,
+            scheduler=SchedulerConfig(max_running=4),
+        ),
+    )
+    dec.start()
+    pre = PrefillEngine(
+        model, PrefillConfig(max_context=max_context, kv_budget_bytes=1 << 30, chunk=512)
+    )
+    loop = asyncio.new_event_loop()
+    box: dict = {}
+    ready = threading.Event()
+
+    def run():
+        asyncio.set_event_loop(loop)
+        box["d"], box["dp"], _, _ = loop.run_until_complete(create_decode(dec))
+        box["p"], box["pp"], _, _ = loop.run_until_complete(create_prefill(pre))
+        ready.set()
+        loop.run_forever()
+
+    threading.Thread(target=run, daemon=True).start()
+    ready.wait(60)
+
+    def stop():
+        for k in ("d", "p"):
+            asyncio.run_coroutine_threadsafe(box[k].stop(0), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        dec.stop()
+
+    return f"127.0.0.1:{box['dp']}", f"127.0.0.1:{box['pp']}", stop
+
+
+async def _one(d_addr, p_addr, rid, prompt, transport) -> dict:
+    async with grpc.aio.insecure_channel(d_addr) as dch, grpc.aio.insecure_channel(p_addr) as pch:
+        dec, pre = decode_pb2_grpc.DecodeStub(dch), prefill_pb2_grpc.PrefillStub(pch)
+        t0 = time.perf_counter()
+        res = await dec.Reserve(decode_pb2.ReserveRequest(request_id=rid, prompt_token_ids=prompt))
+        t1 = time.perf_counter()
+        pr = await pre.Prefill(
+            prefill_pb2.PrefillRequest(
+                request_id=rid,
+                prompt_token_ids=prompt,
+                decode_address=d_addr,
+                cached_pages=res.cached_pages,
+                page_size=res.page_size,
+                transport=transport,
+            )
+        )
+        t2 = time.perf_counter()
+        req = decode_pb2.GenerateRequest(
+            request_id=rid,
+            prompt_token_ids=prompt,
+            stopping=decode_pb2.StoppingParams(max_tokens=2, ignore_eos=True),
+        )
+        stamps = []
+        async for _ in dec.Generate(req):
+            stamps.append(time.perf_counter())
+        # Tail of the transfer not hidden behind compute = time after compute ended.
+        tail = max(0.0, pr.first_chunk_sent_ms + pr.transfer_ms - pr.compute_ms)
+        return {
+            "prompt": len(prompt),
+            "bytes": pr.bytes_sent,
+            "reserve_ms": 1000 * (t1 - t0),
+            "prefill_compute_ms": pr.compute_ms,
+            "transfer_ms": pr.transfer_ms,
+            "transfer_tail_ms": tail,
+            "hidden_fraction": 1 - tail / pr.transfer_ms if pr.transfer_ms else 1.0,
+            "prefill_rpc_ms": 1000 * (t2 - t1),
+            "first_token_ms": 1000 * (stamps[0] - t0),
+            "first_decode_step_ms": 1000 * (stamps[1] - stamps[0]),
+            "transfer_GBps": pr.bytes_sent / max(pr.transfer_ms, 1e-6) / 1e6,
+        }
+
+
+def bench_disagg(model: LoadedModel, lengths=(128, 1024, 4096)) -> list[dict]:
+    d_addr, p_addr, stop = _start(model, max(lengths))
+    rows = []
+    rng = np.random.default_rng(0)
+    try:
+        for name, transport in (("grpc", 0), ("jax-transfer", 1)):
+            for n in lengths:
+                warm = rng.integers(0, model.cfg.vocab_size, n).tolist()
+                asyncio.run(_one(d_addr, p_addr, f"w-{name}-{n}", warm, transport))
+                prompt = rng.integers(0, model.cfg.vocab_size, n).tolist()
+                r = asyncio.run(_one(d_addr, p_addr, f"{name}-{n}", prompt, transport))
+                r["transport"] = name
+                r["memcpy_GBps"] = memcpy_gbps(max(r["bytes"], 1 << 20))
+                rows.append(r)
+    finally:
+        stop()
+    return rows
+
+
+async def _raw_push(d_addr, rid, prompt, k, v, transport) -> float:
+    """Seconds for one Push of pre-made pages into a fresh reservation (transport only)."""
+    import jax.numpy as jnp
+
+    from megaserve.rpc import kv_transfer_pb2_grpc
+    from prefill_service import kv_sender
+
+    async with grpc.aio.insecure_channel(
+        d_addr, options=[("grpc.max_send_message_length", 64 << 20)]
+    ) as ch:
+        dec = decode_pb2_grpc.DecodeStub(ch)
+        await dec.Reserve(decode_pb2.ReserveRequest(request_id=rid, prompt_token_ids=prompt))
+        t = time.perf_counter()
+        if transport == 1:
+            body = [kv_sender.pull_message(0, jnp.asarray(k), jnp.asarray(v))]
+        else:
+            body = list(kv_sender.chunk_messages(0, k, v))
+        n_layers, n_pages = k.shape[:2]
+        msgs = [
+            kv_sender.header(rid, n_layers, 0, n_pages, str(k.dtype)),
+            *body,
+            kv_sender.trailer(0),
+        ]
+        await kv_transfer_pb2_grpc.KVTransferStub(ch).Push(iter(msgs))
+        dt = time.perf_counter() - t
+        await dec.Release(decode_pb2.ReleaseRequest(request_id=rid))
+        return dt
+
+
+def bench_raw_transfer(model: LoadedModel, tokens: int = 4096) -> list[dict]:
+    """KV transfer GB/s of each transport for `tokens` tokens of pages vs a plain memcpy."""
+    d_addr, _, stop = _start(model, tokens)
+    cfg = model.cfg
+    n_pages = tokens // 16
+    shape = (cfg.num_layers, n_pages, 16, cfg.num_kv_heads, cfg.head_dim)
+    k = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
+    v = k + 1
+    prompt = list(range(1, tokens + 1))
+    rows = []
+    try:
+        for name, transport in (("grpc", 0), ("jax-transfer", 1)):
+            asyncio.run(_raw_push(d_addr, f"raw-w-{name}", prompt, k, v, transport))
+            best = min(
+                asyncio.run(_raw_push(d_addr, f"raw-{name}-{i}", prompt, k, v, transport))
+                for i in range(3)
+            )
+            nbytes = 2 * k.nbytes
+            gbps = nbytes / best / 1e9
+            mc = memcpy_gbps(nbytes)
+            rows.append(
+                {
+                    "transport": name,
+                    "bytes": nbytes,
+                    "seconds": best,
+                    "GBps": gbps,
+                    "memcpy_GBps": mc,
+                    "ratio": gbps / mc,
+                }
+            )
+    finally:
+        stop()
+    return rows
