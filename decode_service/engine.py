@@ -18,7 +18,7 @@ from decode_service.sequence import Sequence
 from kernels.kv_cache import KVPool
 from kernels.xla_step import SamplingArrays, StepConfig, XlaRunner
 from megaserve.block_hash import block_hashes
-from megaserve.errors import RequestError
+from megaserve.errors import RequestError, check_prompt_ids
 from megaserve.model import LoadedModel
 
 
@@ -115,14 +115,7 @@ class DecodeEngine:
 
     # -- caller side -------------------------------------------------------------------
     def validate(self, prompt: list[int], max_tokens: int) -> None:
-        vocab = self.model.cfg.vocab_size
-        if not prompt:
-            raise RequestError("prompt_token_ids is empty")
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(
-                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
-            )
+        check_prompt_ids(prompt, self.model.cfg.vocab_size, "prompt_token_ids")
         if max_tokens < 1:
             raise RequestError(f"max_tokens={max_tokens} must be >= 1")
         if len(prompt) + max_tokens > self.cfg.max_context:

@@ -10,7 +10,7 @@ import numpy as np
 
 from kernels.kv_cache import KVPool
 from kernels.xla_step import SamplingArrays, StepConfig, XlaRunner
-from megaserve.errors import RequestError
+from megaserve.errors import RequestError, check_prompt_ids
 from megaserve.model import LoadedModel
 from megaserve.sampling_params import SamplingParams
 
@@ -59,14 +59,7 @@ class OfflineGenerator:
         self.page_table = np.arange(1, pages_per_seq + 1, dtype=np.int32)[None, :]
 
     def validate(self, prompt_ids: list[int], max_new_tokens: int) -> None:
-        vocab = self.model.cfg.vocab_size
-        if not prompt_ids:
-            raise RequestError("prompt is empty")
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(
-                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
-            )
+        check_prompt_ids(prompt_ids, self.model.cfg.vocab_size, "prompt")
         if max_new_tokens < 1:
             raise RequestError(f"max_new_tokens={max_new_tokens} must be >= 1")
         if len(prompt_ids) + max_new_tokens > self.max_context:

@@ -1,11 +1,15 @@
-"""Prefill compute: chunked prompt prefill over this worker's own paged pool + prefix cache."""
+"""Prefill compute: prompts batched into shared chunked prefill programs over this worker's
+own paged pool, which doubles as its prefix cache."""
 
 from __future__ import annotations
 
 import math
+import queue
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -13,7 +17,7 @@ from decode_service.page_allocator import OutOfPages, PageAllocator
 from kernels.kv_cache import KVPool
 from kernels.xla_step import SamplingArrays, StepConfig, XlaRunner
 from megaserve.block_hash import block_hashes
-from megaserve.errors import RequestError
+from megaserve.errors import RequestError, check_prompt_ids
 from megaserve.model import LoadedModel
 from megaserve.sampling_params import SamplingParams
 
@@ -23,7 +27,8 @@ class PrefillConfig:
     page_size: int = 16
     kv_budget_bytes: int = 256 * 2**20
     max_context: int = 4096
-    chunk: int = 256  # tokens per prefill program; pages are sent after each chunk
+    chunk: int = 256  # tokens per row per prefill program; pages are sent after each chunk
+    max_batch: int = 8  # prompts sharing one prefill program
 
 
 class PoolFull(Exception):
@@ -37,8 +42,23 @@ class PrefillResult:
     compute_s: float
 
 
+@dataclass
+class _Job:
+    prompt: list[int]
+    sampling: SamplingParams
+    skip_pages: int
+    on_pages: Callable
+    future: Future = field(default_factory=Future)
+    pages: list[int] = field(default_factory=list)
+    hit: int = 0
+    done: int = 0  # tokens computed
+    sent: int = 0  # pages handed to on_pages (indices < sent are done or skipped)
+    started: float = 0.0
+
+
 class PrefillEngine:
-    """One prompt at a time on one device; pages are kept (LRU) as this worker's prefix cache."""
+    """A thread that batches queued prompts: each iteration runs one chunk of every active
+    prompt in one program, then hands each prompt the pages that chunk completed."""
 
     def __init__(self, model: LoadedModel, cfg: PrefillConfig = PrefillConfig()):
         self.model, self.cfg = model, cfg
@@ -56,24 +76,25 @@ class PrefillEngine:
         self.alloc = PageAllocator(n, cfg.page_size)
         self.max_pages = math.ceil(cfg.max_context / cfg.page_size)
         buckets = tuple(b for b in (16, 32, 64, 128, 256, 512) if b < cfg.chunk) + (cfg.chunk,)
+        batch = tuple(b for b in (1, 2, 4, 8, 16, 32) if b < cfg.max_batch) + (cfg.max_batch,)
         self.runner = XlaRunner(
             model.family,
             mc,
             model.params,
             self.pool,
-            StepConfig(batch_buckets=(1,), token_buckets=buckets, max_pages_per_seq=self.max_pages),
+            StepConfig(
+                batch_buckets=batch, token_buckets=buckets, max_pages_per_seq=self.max_pages
+            ),
         )
-        self._lock = threading.Lock()
+        self._queue: queue.Queue[_Job] = queue.Queue()
+        self._active: list[_Job] = []
+        self.batched_calls = 0
+        self.rows_computed = 0
+        self._thread = threading.Thread(target=self._loop, name="prefill-engine", daemon=True)
+        self._thread.start()
 
     def validate(self, prompt: list[int]) -> None:
-        vocab = self.model.cfg.vocab_size
-        if not prompt:
-            raise RequestError("prompt_token_ids is empty")
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(
-                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
-            )
+        check_prompt_ids(prompt, self.model.cfg.vocab_size, "prompt_token_ids")
         if len(prompt) > self.cfg.max_context:
             raise RequestError(f"prompt ({len(prompt)} tokens) exceeds {self.cfg.max_context}")
 
@@ -82,71 +103,109 @@ class PrefillEngine:
         prompt: list[int],
         sampling: SamplingParams,
         skip_pages: int,
-        on_pages: Callable[[int, np.ndarray, np.ndarray], None],
+        on_pages: Callable[[int, object, object], None],
     ) -> PrefillResult:
-        """Computes the prompt; after each chunk calls on_pages(first_index, K, V) with the
-        pages (all layers) completed by it, skipping the first `skip_pages` pages.
+        """Computes the prompt (batched with others in flight); after each chunk calls
+        on_pages(first_index, K, V) for the pages it completed, skipping `skip_pages`.
 
         K/V are device arrays [L, n, page_size, Hkv, D]; indices count this prompt's pages.
+        Blocks until done; safe from any thread.
         """
-        import time
-
         self.validate(prompt)
-        ps = self.cfg.page_size
-        n_pages = -(-len(prompt) // ps)
+        n_pages = -(-len(prompt) // self.cfg.page_size)
         if not 0 <= skip_pages <= n_pages:
             raise RequestError(f"cached_pages={skip_pages} outside [0, {n_pages}]")
-        with self._lock:
-            hashes = block_hashes(prompt[: len(prompt) - 1], ps)
-            hit = self.alloc.match_prefix(hashes)
-            self.alloc.acquire(hit)
-            try:
-                pages = hit + self.alloc.allocate(n_pages - len(hit))
-            except OutOfPages as e:
-                self.alloc.release(hit)
-                raise PoolFull(f"prefill pool: {e}; retry") from e
-            try:
-                t0 = time.perf_counter()
-                table = np.asarray([pages], np.int32)
-                rows = SamplingArrays.build(
-                    [sampling.as_row()], [(prompt, [])], self.model.cfg.vocab_size
-                )
-                sent = skip_pages
-                # Pages this worker already holds need no compute but may still need sending.
-                done = len(hit) * ps
-                if done // ps > sent:
-                    self._send(pages, sent, done // ps, on_pages)
-                    sent = done // ps
-                nxt = None
-                for start in range(done, len(prompt), self.cfg.chunk):
-                    chunk = np.asarray(prompt[start : start + self.cfg.chunk], np.int32)
-                    pos = np.arange(start, start + len(chunk), dtype=np.int32)
-                    nxt, _ = self.runner.prefill(chunk[None], pos[None], table, rows)
-                    end = start + len(chunk)
-                    complete = n_pages if end == len(prompt) else end // ps
-                    if complete > sent:
-                        self._send(pages, sent, complete, on_pages)
-                        sent = complete
-                if nxt is None:  # the whole prompt was cached: recompute its last token
-                    last = len(prompt) - 1
-                    nxt, _ = self.runner.prefill(
-                        np.asarray([[prompt[last]]], np.int32),
-                        np.asarray([[last]], np.int32),
-                        table,
-                        rows,
-                    )
-                if sent < n_pages:
-                    self._send(pages, sent, n_pages, on_pages)
-                compute = time.perf_counter() - t0
-                full_hashes = block_hashes(prompt, ps)
-                for i in range(len(hit), len(full_hashes)):
-                    self.alloc.register(pages[i], full_hashes[i])
-                return PrefillResult(int(nxt[0]), len(hit), compute)
-            finally:
-                self.alloc.release(pages)
+        job = _Job(list(prompt), sampling, skip_pages, on_pages)
+        self._queue.put(job)
+        return job.future.result()
 
-    def _send(self, pages, lo, hi, on_pages) -> None:
-        # Device arrays (fresh buffers, safe from later donation of the pool): the gRPC path
-        # copies them to host, the jax transfer path offers them as they are.
-        idx = np.asarray(pages[lo:hi], np.int32)
-        on_pages(lo, self.pool.k[:, idx], self.pool.v[:, idx])
+    # -- engine thread -----------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            if not self._active:
+                self._admit(self._queue.get())
+            while len(self._active) < self.cfg.max_batch:
+                try:
+                    self._admit(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            if self._active:
+                try:
+                    self._step()
+                except Exception as e:  # a failed program fails its batch, not the worker
+                    for job in self._active:
+                        self._fail(job, e)
+                    self._active = []
+
+    def _admit(self, job: _Job) -> None:
+        ps = self.cfg.page_size
+        hashes = block_hashes(job.prompt[: len(job.prompt) - 1], ps)
+        hit = self.alloc.match_prefix(hashes)
+        self.alloc.acquire(hit)
+        try:
+            job.pages = hit + self.alloc.allocate(-(-len(job.prompt) // ps) - len(hit))
+        except OutOfPages as e:
+            self.alloc.release(hit)
+            job.future.set_exception(PoolFull(f"prefill pool: {e}; retry"))
+            return
+        job.hit, job.done, job.sent = len(hit), len(hit) * ps, job.skip_pages
+        job.started = time.perf_counter()
+        self._active.append(job)
+
+    def _step(self) -> None:
+        ps, chunk = self.cfg.page_size, self.cfg.chunk
+        jobs = self._active
+        rows = []
+        for job in jobs:
+            start = min(job.done, len(job.prompt) - 1)  # always recompute at least the last
+            rows.append((start, job.prompt[start : start + chunk]))
+        t = max(len(r[1]) for r in rows)
+        tokens = np.zeros((len(jobs), t), np.int32)
+        positions = np.full((len(jobs), t), -1, np.int32)
+        width = max(len(j.pages) for j in jobs)
+        table = np.zeros((len(jobs), width), np.int32)
+        for i, (job, (start, toks)) in enumerate(zip(jobs, rows)):
+            tokens[i, : len(toks)] = toks
+            positions[i, : len(toks)] = np.arange(start, start + len(toks))
+            table[i, : len(job.pages)] = job.pages
+        sampling = SamplingArrays.build(
+            [j.sampling.as_row() for j in jobs],
+            [(j.prompt, []) for j in jobs],
+            self.model.cfg.vocab_size,
+        )
+        nxt, _ = self.runner.prefill(tokens, positions, table, sampling)
+        self.batched_calls += 1
+        self.rows_computed += len(jobs)
+        still = []
+        for job, (start, toks), tok in zip(jobs, rows, nxt.tolist()):
+            job.done = start + len(toks)
+            finished = job.done >= len(job.prompt)
+            complete = len(job.pages) if finished else job.done // ps
+            try:
+                if complete > job.sent:
+                    idx = np.asarray(job.pages[job.sent : complete], np.int32)
+                    job.on_pages(job.sent, self.pool.k[:, idx], self.pool.v[:, idx])
+                    job.sent = complete
+            except Exception as e:
+                self._fail(job, e)
+                continue
+            if finished:
+                self._finish(job, int(tok))
+            else:
+                still.append(job)
+        self._active = still
+
+    def _finish(self, job: _Job, first_token: int) -> None:
+        full = block_hashes(job.prompt, self.cfg.page_size)
+        for i in range(job.hit, len(full)):
+            self.alloc.register(job.pages[i], full[i])
+        self.alloc.release(job.pages)  # pages stay cached (LRU) for later prompts
+        job.future.set_result(
+            PrefillResult(first_token, job.hit, time.perf_counter() - job.started)
+        )
+
+    def _fail(self, job: _Job, e: Exception) -> None:
+        self.alloc.release(job.pages)
+        job.pages = []
+        if not job.future.done():
+            job.future.set_exception(e)

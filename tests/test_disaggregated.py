@@ -106,6 +106,7 @@ def test_100_prompts_disaggregated_equal_one_worker(stack, tiny_model, transport
     for (rid, prompt, sp, n), (_, _, toks) in zip(cases, results):
         assert toks == solo.generate(prompt, n, sp, ignore_eos=True).token_ids, rid
     assert sum(pr.prefix_hit_pages for _, pr, _ in results) > 0  # P's own cache worked
+    assert pre.rows_computed > pre.batched_calls  # concurrent prompts shared programs
     wait_idle(dec)
     dec.alloc.check_invariants()
     pre.alloc.check_invariants()

@@ -70,7 +70,9 @@ async def _one(d_addr, p_addr, rid, prompt, transport) -> dict:
     async with grpc.aio.insecure_channel(d_addr) as dch, grpc.aio.insecure_channel(p_addr) as pch:
         dec, pre = decode_pb2_grpc.DecodeStub(dch), prefill_pb2_grpc.PrefillStub(pch)
         t0 = time.perf_counter()
-        res = await dec.Reserve(decode_pb2.ReserveRequest(request_id=rid, prompt_token_ids=prompt))
+        res = await dec.Reserve(
+            decode_pb2.ReserveRequest(request_id=rid, prompt_token_ids=prompt, lease_ms=600_000)
+        )
         t1 = time.perf_counter()
         pr = await pre.Prefill(
             prefill_pb2.PrefillRequest(
@@ -138,7 +140,9 @@ async def _raw_push(d_addr, rid, prompt, k, v, transport) -> float:
         d_addr, options=[("grpc.max_send_message_length", 64 << 20)]
     ) as ch:
         dec = decode_pb2_grpc.DecodeStub(ch)
-        await dec.Reserve(decode_pb2.ReserveRequest(request_id=rid, prompt_token_ids=prompt))
+        await dec.Reserve(
+            decode_pb2.ReserveRequest(request_id=rid, prompt_token_ids=prompt, lease_ms=600_000)
+        )
         t = time.perf_counter()
         if transport == 1:
             body = [kv_sender.pull_message(0, jnp.asarray(k), jnp.asarray(v))]
