@@ -17,6 +17,7 @@ from decode_service.server import SERVICE, create_server
 from megaserve.model import LoadedModel
 from megaserve.registration import Heartbeat
 from megaserve.state_keys import WorkerInfo
+from megaserve.worker_args import add_common_arguments
 
 log = structlog.get_logger("megaserve.decode")
 
@@ -38,15 +39,7 @@ class WorkerConfig:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--checkpoint", default="smollm2")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="gRPC port (0 = any free port)")
-    p.add_argument("--worker-id")
-    p.add_argument("--redis-url", help="register and heartbeat here (redis://host:port/db)")
-    p.add_argument("--metrics-port", type=int, help="Prometheus /metrics on this port")
-    p.add_argument("--kv-budget-mb", type=int, default=256)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-context", type=int, default=2048)
+    add_common_arguments(p, max_context=2048)
     p.add_argument("--max-running", type=int, default=64)
     p.add_argument("--max-waiting", type=int, default=256)
     p.add_argument("--prefill-chunk", type=int, default=256)

@@ -23,8 +23,8 @@ class Progress:
         if not self.enabled:
             return
         now = time.monotonic()
-        if done < self.total and now - self._last < self.interval:
-            return
+        if done < self.total and (now - self._last < self.interval or not sys.stderr.isatty()):
+            return  # logs get only the final line; terminals get a live one
         self._last = now
         pct = 100.0 * done / self.total
         end = "\n" if done >= self.total else "\r"

@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2
 from megaserve.model import LoadedModel
 from megaserve.registration import Heartbeat
 from megaserve.state_keys import WorkerInfo
+from megaserve.worker_args import add_common_arguments
 from prefill_service.engine import PrefillConfig, PrefillEngine
 from prefill_service.server import SERVICE, create_server
 
@@ -20,15 +21,7 @@ log = structlog.get_logger("megaserve.prefill")
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--checkpoint", default="smollm2")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="gRPC port (0 = any free port)")
-    p.add_argument("--worker-id")
-    p.add_argument("--redis-url", help="register and heartbeat here (redis://host:port/db)")
-    p.add_argument("--metrics-port", type=int, help="Prometheus /metrics on this port")
-    p.add_argument("--kv-budget-mb", type=int, default=256)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-context", type=int, default=4096)
+    add_common_arguments(p, max_context=4096)
     p.add_argument("--prefill-chunk", type=int, default=256)
 
 

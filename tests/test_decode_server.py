@@ -15,6 +15,7 @@ from decode_service.server import create_server
 from megaserve.offline import OfflineGenerator
 from megaserve.rpc import decode_pb2, decode_pb2_grpc
 from megaserve.sampling_params import SamplingParams
+from megaserve.server_thread import ServerThread
 
 
 @pytest.fixture(scope="module")
@@ -28,24 +29,9 @@ def worker(tiny_model):
         ),
     )
     engine.start()
-    loop = asyncio.new_event_loop()
-    import threading
-
-    started = threading.Event()
-    box = {}
-
-    def run():
-        asyncio.set_event_loop(loop)
-        box["server"], box["port"], _, _ = loop.run_until_complete(create_server(engine))
-        started.set()
-        loop.run_forever()
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    started.wait(30)
-    yield engine, f"127.0.0.1:{box['port']}"
-    asyncio.run_coroutine_threadsafe(box["server"].stop(0), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
+    servers = ServerThread(lambda: create_server(engine))
+    yield engine, servers.addresses[0]
+    servers.stop()
     engine.stop()
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import grpc
 import numpy as np
@@ -15,6 +14,7 @@ from decode_service.server import create_server as create_decode
 from megaserve.offline import OfflineGenerator
 from megaserve.rpc import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from megaserve.sampling_params import SamplingParams
+from megaserve.server_thread import ServerThread
 from prefill_service.engine import PrefillConfig, PrefillEngine
 from prefill_service.server import create_server as create_prefill
 
@@ -28,23 +28,10 @@ def stack(tiny_model):
     )
     dec.start()
     pre = PrefillEngine(tiny_model, PrefillConfig(chunk=32, max_context=256))
-    loop = asyncio.new_event_loop()
-    box: dict = {}
-    ready = threading.Event()
-
-    def run():
-        asyncio.set_event_loop(loop)
-        box["d"], box["dp"], _, _ = loop.run_until_complete(create_decode(dec))
-        box["p"], box["pp"], _, box["ps"] = loop.run_until_complete(create_prefill(pre))
-        ready.set()
-        loop.run_forever()
-
-    threading.Thread(target=run, daemon=True).start()
-    ready.wait(30)
-    yield dec, pre, f"127.0.0.1:{box['dp']}", f"127.0.0.1:{box['pp']}", box["ps"]
-    for k in ("d", "p"):
-        asyncio.run_coroutine_threadsafe(box[k].stop(0), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
+    servers = ServerThread(lambda: create_decode(dec), lambda: create_prefill(pre))
+    d_addr, p_addr = servers.addresses
+    yield dec, pre, d_addr, p_addr, servers.results[1][3]
+    servers.stop()
     dec.stop()
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import grpc
@@ -14,6 +13,7 @@ from decode_service.scheduler import SchedulerConfig
 from decode_service.server import create_server as create_decode
 from megaserve.model import LoadedModel
 from megaserve.rpc import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from megaserve.server_thread import ServerThread
 from prefill_service.engine import PrefillConfig, PrefillEngine
 from prefill_service.server import create_server as create_prefill
 
@@ -43,27 +43,13 @@ def _start(model: LoadedModel, max_context: int):
     pre = PrefillEngine(
         model, PrefillConfig(max_context=max_context, kv_budget_bytes=1 << 30, chunk=512)
     )
-    loop = asyncio.new_event_loop()
-    box: dict = {}
-    ready = threading.Event()
-
-    def run():
-        asyncio.set_event_loop(loop)
-        box["d"], box["dp"], _, _ = loop.run_until_complete(create_decode(dec))
-        box["p"], box["pp"], _, _ = loop.run_until_complete(create_prefill(pre))
-        ready.set()
-        loop.run_forever()
-
-    threading.Thread(target=run, daemon=True).start()
-    ready.wait(60)
+    servers = ServerThread(lambda: create_decode(dec), lambda: create_prefill(pre))
 
     def stop():
-        for k in ("d", "p"):
-            asyncio.run_coroutine_threadsafe(box[k].stop(0), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
+        servers.stop()
         dec.stop()
 
-    return f"127.0.0.1:{box['dp']}", f"127.0.0.1:{box['pp']}", stop
+    return servers.addresses[0], servers.addresses[1], stop
 
 
 async def _one(d_addr, p_addr, rid, prompt, transport) -> dict:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import grpc
@@ -14,31 +13,20 @@ from decode_service.scheduler import SchedulerConfig
 from decode_service.server import create_server
 from megaserve.model import LoadedModel
 from megaserve.rpc import decode_pb2, decode_pb2_grpc
+from megaserve.server_thread import ServerThread
 
 
 def start_worker(model: LoadedModel, cfg: EngineConfig):
     """Engine thread + gRPC server on an event loop thread; returns (engine, addr, stop)."""
     engine = DecodeEngine(model, cfg)
     engine.start()
-    loop = asyncio.new_event_loop()
-    box: dict = {}
-    ready = threading.Event()
-
-    def run():
-        asyncio.set_event_loop(loop)
-        box["server"], box["port"], _, _ = loop.run_until_complete(create_server(engine))
-        ready.set()
-        loop.run_forever()
-
-    threading.Thread(target=run, daemon=True).start()
-    ready.wait(60)
+    servers = ServerThread(lambda: create_server(engine))
 
     def stop():
-        asyncio.run_coroutine_threadsafe(box["server"].stop(0), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
+        servers.stop()
         engine.stop()
 
-    return engine, f"127.0.0.1:{box['port']}", stop
+    return engine, servers.addresses[0], stop
 
 
 async def _client(stub, rid, prompt, n, stamps):
