@@ -77,7 +77,7 @@ class DecodeEngine:
         self.model, self.cfg = model, cfg
         mc = model.cfg
         probe = KVPool.create(mc.num_layers, 2, cfg.page_size, mc.num_kv_heads, mc.head_dim)
-        n_pages = KVPool.pages_for_budget(cfg.kv_budget_bytes, probe.bytes_per_page // 2 * 2)
+        n_pages = KVPool.pages_for_budget(cfg.kv_budget_bytes, probe.bytes_per_page)
         del probe
         self.pool = KVPool.create(
             mc.num_layers,
