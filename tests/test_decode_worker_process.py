@@ -40,33 +40,39 @@ def _wait(pred, timeout=10.0):
     return False
 
 
+def _spawn(kind: str, worker_id: str, redis_url: str, *extra: str) -> subprocess.Popen:
+    """`megaserve {kind}-worker` on the tiny fixture model, as a real process."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "megaserve.cli",
+        f"{kind}-worker",
+        "--checkpoint",
+        str(FIXTURES / "tiny" / "llama_gqa2"),
+        "--worker-id",
+        worker_id,
+        "--redis-url",
+        redis_url,
+        "--kv-budget-mb",
+        "8",
+        *extra,
+    ]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env
+    )
+
+
 def test_worker_process_lifecycle(redis_server):
     metrics_port = free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "megaserve.cli",
-            "decode-worker",
-            "--checkpoint",
-            str(FIXTURES / "tiny" / "llama_gqa2"),
-            "--worker-id",
-            "dw1",
-            "--redis-url",
-            redis_server.url,
-            "--metrics-port",
-            str(metrics_port),
-            "--kv-budget-mb",
-            "8",
-            "--max-context",
-            "256",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-        env=env,
+    proc = _spawn(
+        "decode",
+        "dw1",
+        redis_server.url,
+        "--metrics-port",
+        str(metrics_port),
+        "--max-context",
+        "256",
     )
     try:
         line = proc.stdout.readline()
@@ -97,28 +103,7 @@ def test_worker_process_lifecycle(redis_server):
 
 
 def test_prefill_worker_process_registers_and_stops(redis_server):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "megaserve.cli",
-            "prefill-worker",
-            "--checkpoint",
-            str(FIXTURES / "tiny" / "llama_gqa2"),
-            "--worker-id",
-            "pw1",
-            "--redis-url",
-            redis_server.url,
-            "--kv-budget-mb",
-            "8",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-        env=env,
-    )
+    proc = _spawn("prefill", "pw1", redis_server.url)
     try:
         line = proc.stdout.readline()
         assert "READY prefill worker pw1" in line, line + proc.stderr.read()[-2000:]

@@ -60,18 +60,18 @@ def step_bytes(model: LoadedModel, batch: int, context: int, kv_itemsize: int) -
     return weights + batch * context * row + batch * row
 
 
-def bench_ours(
+def time_decode(
     model: LoadedModel,
+    cfg,
     batch: int,
     context: int,
     steps: int,
     warmup: int,
-    bandwidth: float,
     page_size: int = 16,
     steps_per_call: int = 1,
-) -> DecodeRow:
-    """Times decode at `context` tokens of KV per sequence (the KV contents do not matter)."""
-    cfg = model.cfg
+) -> tuple[float, int]:
+    """Median ms per decode step at `context` tokens of KV per sequence (contents don't
+    matter), and the KV dtype's itemsize; `cfg` may override the model's (e.g. moe_impl)."""
     pages = math.ceil((context + steps_per_call * (steps + warmup) + 1) / page_size)
     pool = KVPool.create(
         cfg.num_layers,
@@ -100,8 +100,24 @@ def bench_ours(
         tokens, pos = toks[-1], pos + steps_per_call
         if i >= warmup:
             times.append(dt / steps_per_call)
-    ms = 1000 * float(np.median(times))
-    nbytes = step_bytes(model, batch, context, pool.k.dtype.itemsize)
+    return 1000 * float(np.median(times)), pool.k.dtype.itemsize
+
+
+def bench_ours(
+    model: LoadedModel,
+    batch: int,
+    context: int,
+    steps: int,
+    warmup: int,
+    bandwidth: float,
+    page_size: int = 16,
+    steps_per_call: int = 1,
+) -> DecodeRow:
+    """Our decode step's ms/step against the bandwidth floor."""
+    ms, itemsize = time_decode(
+        model, model.cfg, batch, context, steps, warmup, page_size, steps_per_call
+    )
+    nbytes = step_bytes(model, batch, context, itemsize)
     floor_ms = 1000 * nbytes / bandwidth
     prec = {"float32": "f32", "bfloat16": "bf16"}[str(model.params["embed"].dtype)]
     return DecodeRow(

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
-import time
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +11,7 @@ import numpy as np
 from kernels import qwen3_moe
 from kernels.kv_cache import KVPool
 from kernels.moe import route
-from kernels.xla_step import SamplingArrays, StepConfig, XlaRunner
+from megaserve.bench.decode import time_decode
 from megaserve.model import LoadedModel
 
 # A small Qwen3-MoE: 12 layers, 64 experts, top-8 (Qwen3-30B-A3B's routing shape, scaled).
@@ -119,21 +117,7 @@ def bench_moe(
     impl: str = "auto",
 ) -> dict:
     cfg = dataclasses.replace(model.cfg, moe_impl=impl)
-    ps = 16
-    pages = math.ceil((context + steps + warmup + 1) / ps)
-    pool = KVPool.create(cfg.num_layers, batch * pages + 1, ps, cfg.num_kv_heads, cfg.head_dim)
-    runner = XlaRunner(model.family, cfg, model.params, pool, StepConfig(max_pages_per_seq=pages))
-    table = (1 + np.arange(batch * pages, dtype=np.int32)).reshape(batch, pages)
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, batch).astype(np.int32)
-    pos = np.full(batch, context - 1, np.int32)
-    times = []
-    for i in range(warmup + steps):
-        t = time.perf_counter()
-        toks, _ = runner.decode(tokens, pos, table, SamplingArrays.greedy(batch))
-        if i >= warmup:
-            times.append(time.perf_counter() - t)
-        tokens, pos = toks[-1], pos + 1
-    ms = 1000 * float(np.median(times))
+    ms, _ = time_decode(model, cfg, batch, context, steps, warmup)
     p = model.params
     expert_keys = ("w_gate_up", "w_down")
     dense = sum(int(a.nbytes) for lp in p["layers"] for k, a in lp.items() if k not in expert_keys)
