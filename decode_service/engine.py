@@ -109,6 +109,9 @@ class DecodeEngine:
         self._commands: queue.Queue = queue.Queue()
         self.reservations: dict[str, Reservation] = {}
         self.expired_reservations = 0
+        self.prefill_tokens = 0  # prompt tokens computed by this worker's own prefill
+        self.cached_prompt_tokens = 0  # prompt tokens served from the prefix cache
+        self.imported_requests = 0  # requests whose KV came from a prefill worker
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -250,6 +253,7 @@ class DecodeEngine:
         seq.num_registered = res.cached_pages
         self.sched.register_full_pages(seq)
         seq.arrival_step = self.steps
+        self.imported_requests += 1
         self._emit(seq, [res.first_token], first=True)
         if seq.state.value != "finished":
             self.sched.add_ready(seq)
@@ -322,7 +326,7 @@ class DecodeEngine:
     def _rows(self, seqs: list[Sequence]) -> SamplingArrays:
         return SamplingArrays.build(
             [s.sampling.as_row() for s in seqs],
-            [(s.prompt, s.output) for s in seqs],
+            [s.penalty_split() for s in seqs],
             self.model.cfg.vocab_size,
         )
 
@@ -335,6 +339,7 @@ class DecodeEngine:
 
     def _run_prefill(self, seq: Sequence, chunk: list[int], start: int) -> None:
         pos = np.arange(start, start + len(chunk), dtype=np.int32)
+        self.prefill_tokens += len(chunk)
         nxt, logits = self.runner.prefill(
             np.array([chunk], np.int32), pos[None], self._table([seq]), self._rows([seq])
         )
@@ -382,6 +387,8 @@ class DecodeEngine:
     def _send(
         self, seq: Sequence, new: list[int], reason: str | None, first: bool, logprobs=None
     ) -> None:
+        if first:
+            self.cached_prompt_tokens += seq.num_cached_tokens
         sink = self._sinks.get(seq.request_id)
         if sink is None:
             return
@@ -409,6 +416,9 @@ class DecodeEngine:
             "steps": self.steps,
             "preemptions": self.sched.preemptions,
             "page_size": a.page_size,
+            "prefill_tokens": self.prefill_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
+            "imported_requests": self.imported_requests,
         }
 
 

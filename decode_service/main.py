@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import uuid
 from dataclasses import dataclass, field
 
@@ -17,7 +16,7 @@ from decode_service.server import SERVICE, create_server
 from megaserve.model import LoadedModel
 from megaserve.registration import Heartbeat
 from megaserve.state_keys import WorkerInfo
-from megaserve.worker_args import add_common_arguments
+from megaserve.worker_args import add_common_arguments, advertised_address, served_model_name
 
 log = structlog.get_logger("megaserve.decode")
 
@@ -36,6 +35,8 @@ class WorkerConfig:
     heartbeat_ttl_s: float = 5.0
     shutdown_grace_s: float = 10.0
     engine: EngineConfig = EngineConfig()
+    model_name: str = ""  # advertised model name ("" = the checkpoint source)
+    advertise_host: str = ""  # host peers dial ("" = host)
 
 
 def add_arguments(p) -> None:
@@ -55,6 +56,8 @@ def config_from_args(a) -> WorkerConfig:
         redis_url=a.redis_url,
         metrics_port=a.metrics_port,
         shutdown_grace_s=a.shutdown_grace,
+        model_name=served_model_name(a),
+        advertise_host=advertised_address(a, 0).rsplit(":", 1)[0],
         engine=EngineConfig(
             page_size=a.page_size,
             kv_budget_bytes=a.kv_budget_mb * 2**20,
@@ -71,7 +74,7 @@ async def serve(cfg: WorkerConfig) -> None:
     engine = DecodeEngine(model, cfg.engine)
     engine.start()
     server, port, health, servicer = await create_server(engine, f"{cfg.host}:{cfg.port}")
-    address = f"{cfg.host if cfg.host != '0.0.0.0' else socket.gethostname()}:{port}"
+    address = f"{cfg.advertise_host or cfg.host}:{port}"
     metrics_port = (
         servicer.metrics.serve(cfg.metrics_port) if cfg.metrics_port is not None else None
     )
@@ -82,16 +85,20 @@ async def serve(cfg: WorkerConfig) -> None:
             cfg.worker_id,
             "decode",
             address,
-            model.name,
+            cfg.model_name or model.name,
             s["total_pages"],
             s["free_pages"] + s["cached_pages"],
             s["running"],
             s["waiting"],
             s["page_size"],
+            cfg.engine.max_context,
+            model.cfg.vocab_size,
         )
 
     hb = (
-        Heartbeat(cfg.redis_url, info, cfg.heartbeat_s, cfg.heartbeat_ttl_s).start()
+        Heartbeat(
+            cfg.redis_url, info, cfg.heartbeat_s, cfg.heartbeat_ttl_s, blocks=engine.alloc
+        ).start()
         if (cfg.redis_url)
         else None
     )

@@ -28,6 +28,10 @@ class PageAllocator:
         self.by_hash: dict[int, int] = {}  # block hash -> page
         self.lru: OrderedDict[int, None] = OrderedDict()  # cached pages with ref 0, oldest first
         self.evictions = 0
+        # (+1 | -1, block hash) as blocks enter and leave the cache, drained by the heartbeat
+        # to publish this worker's blocks in Redis for KV-aware routing. Bounded: a publisher
+        # that falls behind resyncs from `cached_hashes()`.
+        self.block_events: deque[tuple[int, int]] = deque(maxlen=1 << 16)
 
     @property
     def num_available(self) -> int:
@@ -65,7 +69,9 @@ class PageAllocator:
                 p = self.free.popleft()
             else:
                 p, _ = self.lru.popitem(last=False)
-                del self.by_hash[self.page_hash.pop(p)]
+                h = self.page_hash.pop(p)
+                del self.by_hash[h]
+                self.block_events.append((-1, h))
                 self.evictions += 1
             self.ref[p] = 1
             out.append(p)
@@ -96,7 +102,17 @@ class PageAllocator:
             return page
         self.page_hash[page] = block_hash
         self.by_hash[block_hash] = page
+        self.block_events.append((1, block_hash))
         return page
+
+    def cached_hashes(self) -> list[int]:
+        """Every block hash held (owned or cached); safe to call from another thread."""
+        for _ in range(10):
+            try:
+                return list(self.by_hash)
+            except RuntimeError:  # resized by the engine thread mid-copy; try again
+                continue
+        return list(self.by_hash.copy())
 
     def check_invariants(self) -> None:
         """Every page is free, owned or cached exactly once; hash maps agree."""

@@ -33,11 +33,17 @@ class Sequence:
     finish_reason: str | None = None
     arrival_step: int = 0
     logprobs: int = 0  # top-n log-probabilities to return per token (0 = none)
+    resumed: int = 0  # trailing prompt tokens generated before a migration (output for penalties)
 
     @property
     def tokens(self) -> list[int]:
         """Prompt plus output: what the KV must cover (the last token's KV comes next step)."""
         return self.prompt + self.output
+
+    def penalty_split(self) -> tuple[list[int], list[int]]:
+        """(prompt, output) as penalties see them: resumed tokens count as output."""
+        cut = len(self.prompt) - self.resumed
+        return self.prompt[:cut], self.prompt[cut:] + self.output
 
     @property
     def is_prefill(self) -> bool:

@@ -68,7 +68,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 request.stopping.max_tokens,
                 frozenset(stop),
                 logprobs=request.logprobs,
+                resumed=request.resumed_tokens,
             )
+            if not 0 <= request.resumed_tokens < max(len(seq.prompt), 1):
+                raise RequestError(
+                    f"resumed_tokens={request.resumed_tokens} must be in [0, prompt length)"
+                )
             self.engine.submit(seq, lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
         except RequestError as e:
             code = (

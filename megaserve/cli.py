@@ -1,4 +1,4 @@
-"""The `megaserve` command line: generate, bench."""
+"""The `megaserve` command line: generate, bench, workers, router, serve."""
 
 from __future__ import annotations
 
@@ -102,6 +102,12 @@ def _prefill_worker(a: argparse.Namespace) -> int:
     return prefill_main(a)
 
 
+def _router(a: argparse.Namespace) -> int:
+    from router.main import main as router_main
+
+    return router_main(a)
+
+
 def _strip_eos(ids: list[int], eos: tuple[int, ...]) -> list[int]:
     return ids[:-1] if ids and ids[-1] in eos else ids
 
@@ -123,6 +129,11 @@ def main(argv: list[str] | None = None) -> int:
 
     add_prefill_arguments(pw)
     pw.set_defaults(func=_prefill_worker)
+    r = sub.add_parser("router", help="run the public gRPC router (megaserve.v1.Generation)")
+    from router.main import add_arguments as add_router_arguments
+
+    add_router_arguments(r)
+    r.set_defaults(func=_router)
     a = parser.parse_args(argv)
     try:
         if a.cmd == "generate":

@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
+from typing import Protocol
 
 import redis
 import structlog
 
-from megaserve.state_keys import WorkerInfo, worker_key, workers_set
+from megaserve.state_keys import WorkerInfo, block_hex, worker_blocks_key, worker_key, workers_set
 
 log = structlog.get_logger("megaserve.registration")
+
+
+class BlockSource(Protocol):
+    """What a page allocator exposes for publishing its cached blocks."""
+
+    block_events: object  # deque[(+1 | -1, hash)], appended by the engine thread
+
+    def cached_hashes(self) -> list[int]: ...
 
 
 class Heartbeat:
@@ -20,11 +30,21 @@ class Heartbeat:
     back (or was restarted empty); serving never waits on Redis.
     """
 
+    # Full rewrite of the block set this often even when deltas flowed, to heal any drift.
+    RESYNC_S = 30.0
+
     def __init__(
-        self, url: str, info: Callable[[], WorkerInfo], interval: float = 1.0, ttl: float = 5.0
+        self,
+        url: str,
+        info: Callable[[], WorkerInfo],
+        interval: float = 1.0,
+        ttl: float = 5.0,
+        blocks: BlockSource | None = None,
     ):
         self.client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self.info, self.interval, self.ttl = info, interval, ttl
+        self.blocks = blocks
+        self._resync_at = 0.0  # monotonic time of the next full block-set rewrite
         self.healthy = False
         self.beats = 0
         self._stop = threading.Event()
@@ -40,8 +60,41 @@ class Heartbeat:
         pipe.hset(worker_key(w.worker_id), mapping=w.to_hash())
         pipe.pexpire(worker_key(w.worker_id), int(self.ttl * 1000))
         pipe.sadd(workers_set(w.role), w.worker_id)
-        pipe.execute()
+        if self.blocks is not None:
+            self._publish_blocks(pipe, worker_blocks_key(w.worker_id))
+        try:
+            pipe.execute()
+        except redis.RedisError:
+            self._resync_at = 0.0  # deltas drained into a failed write: rewrite next time
+            raise
         self.beats += 1
+
+    def _publish_blocks(self, pipe, key: str) -> None:
+        """Adds this worker's block changes since the last beat (or the whole set) to pipe."""
+        events = self.blocks.block_events
+        now = time.monotonic()
+        full = now >= self._resync_at or len(events) == events.maxlen
+        last: dict[int, int] = {}
+        while True:  # drain first, then snapshot: later events are applied next beat
+            try:
+                op, h = events.popleft()
+            except IndexError:
+                break
+            last[h] = op
+        if full:
+            pipe.delete(key)
+            hashes = self.blocks.cached_hashes()
+            if hashes:
+                pipe.sadd(key, *map(block_hex, hashes))
+            self._resync_at = now + self.RESYNC_S
+        else:
+            added = [block_hex(h) for h, op in last.items() if op > 0]
+            removed = [block_hex(h) for h, op in last.items() if op < 0]
+            if removed:
+                pipe.srem(key, *removed)
+            if added:
+                pipe.sadd(key, *added)
+        pipe.pexpire(key, int(self.ttl * 1000))
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -62,7 +115,7 @@ class Heartbeat:
         if deregister:
             try:
                 w = self.info()
-                self.client.delete(worker_key(w.worker_id))
+                self.client.delete(worker_key(w.worker_id), worker_blocks_key(w.worker_id))
                 self.client.srem(workers_set(w.role), w.worker_id)
             except redis.RedisError:
                 pass

@@ -27,6 +27,16 @@ def worker_blocks_key(worker_id: str) -> str:
     return f"{PREFIX}blocks:{worker_id}"
 
 
+def block_hex(h: int) -> str:
+    """How a block hash (megaserve.block_hash) is written in the block sets."""
+    return format(h, "016x")
+
+
+def inflight_key(request_id: str) -> str:
+    """String: the router owning an in-flight public request_id (duplicates are refused)."""
+    return f"{PREFIX}inflight:{request_id}"
+
+
 @dataclass(frozen=True)
 class WorkerInfo:
     """What a worker advertises; the router reads these to place requests."""
@@ -40,6 +50,8 @@ class WorkerInfo:
     running: int
     waiting: int
     page_size: int
+    max_context: int = 0  # tokens (prompt + output) one request may use
+    vocab_size: int = 0
 
     def to_hash(self) -> dict[str, str]:
         return {k: str(v) for k, v in self.__dict__.items()}
@@ -50,5 +62,19 @@ class WorkerInfo:
             (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
             for k, v in h.items()
         }
-        ints = {"total_pages", "free_pages", "running", "waiting", "page_size"}
-        return cls(**{k: int(h[k]) if k in ints else h[k] for k in cls.__dataclass_fields__})
+        ints = {
+            "total_pages",
+            "free_pages",
+            "running",
+            "waiting",
+            "page_size",
+            "max_context",
+            "vocab_size",
+        }
+        return cls(
+            **{
+                k: int(h[k]) if k in ints else h[k]
+                for k in cls.__dataclass_fields__
+                if k in h  # fields added later have defaults
+            }
+        )

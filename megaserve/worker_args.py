@@ -13,3 +13,25 @@ def add_common_arguments(p, max_context: int) -> None:
     p.add_argument("--kv-budget-mb", type=int, default=256)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-context", type=int, default=max_context)
+    p.add_argument(
+        "--served-model-name", help="the name routers know this model by (default: see model_name)"
+    )
+    p.add_argument(
+        "--advertise-host",
+        help="host other processes reach this worker at (default: --host, or the hostname "
+        "when binding 0.0.0.0; in Kubernetes the pod IP)",
+    )
+
+
+def advertised_address(a, port: int) -> str:
+    """host:port written to Redis for routers and peers to dial."""
+    import socket
+
+    host = a.advertise_host or (socket.gethostname() if a.host in ("0.0.0.0", "::") else a.host)
+    return f"{host}:{port}"
+
+
+def served_model_name(a) -> str:
+    from megaserve.checkpoint import model_name
+
+    return a.served_model_name or model_name(a.checkpoint)

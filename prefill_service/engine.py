@@ -48,6 +48,7 @@ class _Job:
     sampling: SamplingParams
     skip_pages: int
     on_pages: Callable
+    resumed: int = 0  # trailing prompt tokens that were generated (penalties count them)
     future: Future = field(default_factory=Future)
     pages: list[int] = field(default_factory=list)
     hit: int = 0
@@ -104,6 +105,7 @@ class PrefillEngine:
         sampling: SamplingParams,
         skip_pages: int,
         on_pages: Callable[[int, object, object], None],
+        resumed: int = 0,
     ) -> PrefillResult:
         """Computes the prompt (batched with others in flight); after each chunk calls
         on_pages(first_index, K, V) for the pages it completed, skipping `skip_pages`.
@@ -115,7 +117,9 @@ class PrefillEngine:
         n_pages = -(-len(prompt) // self.cfg.page_size)
         if not 0 <= skip_pages <= n_pages:
             raise RequestError(f"cached_pages={skip_pages} outside [0, {n_pages}]")
-        job = _Job(list(prompt), sampling, skip_pages, on_pages)
+        if not 0 <= resumed < len(prompt):
+            raise RequestError(f"resumed_tokens={resumed} must be in [0, {len(prompt)})")
+        job = _Job(list(prompt), sampling, skip_pages, on_pages, resumed)
         self._queue.put(job)
         return job.future.result()
 
@@ -170,7 +174,10 @@ class PrefillEngine:
             table[i, : len(job.pages)] = job.pages
         sampling = SamplingArrays.build(
             [j.sampling.as_row() for j in jobs],
-            [(j.prompt, []) for j in jobs],
+            [
+                (j.prompt[: len(j.prompt) - j.resumed], j.prompt[len(j.prompt) - j.resumed :])
+                for j in jobs
+            ],
             self.model.cfg.vocab_size,
         )
         nxt, _ = self.runner.prefill(tokens, positions, table, sampling)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import uuid
 
 import structlog
@@ -13,7 +12,7 @@ from grpc_health.v1 import health_pb2
 from megaserve.model import LoadedModel
 from megaserve.registration import Heartbeat
 from megaserve.state_keys import WorkerInfo
-from megaserve.worker_args import add_common_arguments
+from megaserve.worker_args import add_common_arguments, advertised_address, served_model_name
 from prefill_service.engine import PrefillConfig, PrefillEngine
 from prefill_service.server import SERVICE, create_server
 
@@ -37,7 +36,8 @@ async def serve(a) -> None:
     server, port, health, servicer = await create_server(engine, f"{a.host}:{a.port}")
     if a.metrics_port is not None:
         servicer.metrics.serve(a.metrics_port)
-    address = f"{a.host if a.host != '0.0.0.0' else socket.gethostname()}:{port}"
+    address = advertised_address(a, port)
+    name = served_model_name(a)
     worker_id = a.worker_id or f"prefill-{uuid.uuid4().hex[:8]}"
 
     def info() -> WorkerInfo:
@@ -46,15 +46,17 @@ async def serve(a) -> None:
             worker_id,
             "prefill",
             address,
-            model.name,
+            name,
             al.num_pages - 1,
             al.num_available,
-            0,
-            0,
+            len(engine._active),
+            engine._queue.qsize(),
             al.page_size,
+            cfg.max_context,
+            model.cfg.vocab_size,
         )
 
-    hb = Heartbeat(a.redis_url, info).start() if a.redis_url else None
+    hb = Heartbeat(a.redis_url, info, blocks=engine.alloc).start() if a.redis_url else None
     print(f"READY prefill worker {worker_id} grpc={address}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -139,7 +139,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         writing = asyncio.ensure_future(writer())
         try:
             result = await asyncio.to_thread(
-                self.engine.prefill, prompt, sampling, cached, on_pages
+                self.engine.prefill, prompt, sampling, cached, on_pages, request.resumed_tokens
             )
         except (RequestError, PoolFull) as e:
             call.cancel()  # the decode side frees the reservation when the stream breaks

@@ -125,6 +125,27 @@ def load_gguf(path: Path, progress: bool = True) -> Checkpoint:
     return Checkpoint(str(path), config, tensors, tokenizer, () if eos is None else (int(eos),))
 
 
+def gguf_tokenizer(path: Path):
+    """(TextTokenizer, eos ids, vocab size) from a GGUF's metadata; no tensor is read."""
+    import gguf
+
+    from megaserve.tokenizer import TextTokenizer
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:
+        raise CheckpointError(f"{path}: not a readable GGUF file: {type(e).__name__}: {e}") from e
+    f = _fields(reader)
+    if "tokenizer.ggml.tokens" not in f:
+        raise CheckpointError(f"{path}: no tokenizer in the GGUF metadata")
+    eos = f.get("tokenizer.ggml.eos_token_id")
+    return (
+        TextTokenizer.from_gguf_fields(f),
+        () if eos is None else (int(eos),),
+        int(gguf_config(f)["vocab_size"]),
+    )
+
+
 def _hf_name(name: str, path: Path) -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]

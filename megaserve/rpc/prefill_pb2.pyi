@@ -16,7 +16,7 @@ TRANSPORT_GRPC: Transport
 TRANSPORT_JAX_TRANSFER: Transport
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "cached_pages", "page_size", "transport")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "cached_pages", "page_size", "transport", "resumed_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class PrefillRequest(_message.Message):
     CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _decode_pb2.SamplingParams
@@ -31,7 +32,8 @@ class PrefillRequest(_message.Message):
     cached_pages: int
     page_size: int
     transport: Transport
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_decode_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., cached_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ...) -> None: ...
+    resumed_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_decode_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., cached_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., resumed_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "pages_sent", "bytes_sent", "prefix_hit_pages", "compute_ms", "transfer_ms", "first_chunk_sent_ms")

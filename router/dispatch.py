@@ -1,0 +1,324 @@
+"""Places one job on workers and streams its tokens: disaggregated or co-located prefill,
+retries before the first token, and migration when a worker fails mid-stream.
+
+A migrated request is re-prefilled as prompt + tokens generated so far on a healthy worker;
+seeded sampling keys on (seed, position), so the continuation equals an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from megaserve.rpc import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from router.circuit import CircuitBreakers
+from router.config import RouterConfig
+from router.frontend import Job, RouterError
+from router.policies import RouteRequest, make_policy
+from router.policies.round_robin import RoundRobin
+from router.state import ClusterState, Session, WorkerView
+
+log = structlog.get_logger("megaserve.router")
+
+# Codes that mean "this worker (or the path to it) failed", not "this request is bad".
+_WORKER_FAILED = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.ABORTED,
+}
+_FINISH = {
+    decode_pb2.FINISH_REASON_STOP: "stop",
+    decode_pb2.FINISH_REASON_LENGTH: "length",
+}
+
+
+@dataclass
+class Chunk:
+    """Tokens from one worker message, in the public request's terms."""
+
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | None
+    cached_tokens: int = 0  # set on the request's first chunk
+    worker_id: str = ""
+
+
+class WorkerFailed(Exception):
+    def __init__(self, worker: WorkerView, why: str):
+        super().__init__(f"{worker.id} ({worker.address}): {why}")
+        self.worker = worker
+
+
+class WorkerBusy(Exception):
+    def __init__(self, worker: WorkerView, why: str):
+        super().__init__(f"{worker.id}: {why}")
+        self.worker = worker
+
+
+class Dispatcher:
+    """Stateless per request; holds channels, policies and breakers shared by all requests."""
+
+    def __init__(self, state: ClusterState, cfg: RouterConfig, channel_factory=None):
+        self.state, self.cfg = state, cfg
+        self.decode_policy = make_policy(cfg.decode_policy, cfg)
+        self.prefill_policy = make_policy(cfg.prefill_policy, cfg)
+        self.fallback = RoundRobin()  # while Redis is down: the last view, no load data
+        self.breakers = CircuitBreakers(cfg.circuit_breaker_failures, cfg.circuit_breaker_reset_s)
+        self._channel_factory = channel_factory or (
+            lambda addr: grpc.aio.insecure_channel(
+                addr, options=[("grpc.max_send_message_length", 64 << 20)]
+            )
+        )
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.stats = {"migrations": 0, "retries": 0, "disaggregated": 0, "colocated": 0}
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = self._channel_factory(address)
+        return ch
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+
+    # -- placement ---------------------------------------------------------------------
+    def _candidates(self, role: str, job: Job, exclude: set[str]) -> list[WorkerView]:
+        pool = self.state.pool(role, job.model.name)
+        live = [w for w in pool if self.breakers.allows(w.id)]
+        fresh = [w for w in live if w.id not in exclude]
+        # Everything failed this request already: the workers may have restarted; try again.
+        return fresh or live
+
+    def _choose(self, role: str, workers: list[WorkerView], req: RouteRequest) -> WorkerView:
+        if not self.state.redis_ok and self.state.redis is not None:
+            w = self.fallback.choose(workers, req)
+        else:
+            w = (self.decode_policy if role == "decode" else self.prefill_policy).choose(
+                workers, req
+            )
+        self.breakers.chosen(w.id)
+        return w
+
+    # -- the request -------------------------------------------------------------------
+    async def run(self, job: Job, deadline: float | None) -> AsyncIterator[Chunk]:
+        """Streams the job's tokens; raises RouterError when it cannot be completed."""
+        generated: list[int] = []
+        failed: set[str] = set()
+        attempts = migrations = 0
+        session = await self.state.get_session(job.session_id) if job.session_id else None
+        first = True
+        while True:
+            n_before = len(generated)
+            prompt = job.prompt + generated
+            decoders = self._candidates("decode", job, failed)
+            if not decoders:
+                attempts += 1
+                if attempts >= self.cfg.retry_max_attempts:
+                    raise RouterError(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"no healthy decode worker for model {job.model.name!r}",
+                    )
+                await self._backoff(attempts, deadline)
+                continue
+            d = self._choose("decode", decoders, RouteRequest(prompt, session, job.max_tokens))
+            try:
+                async for c in self._attempt(job, d, prompt, generated, failed, deadline, attempts):
+                    generated += c.token_ids
+                    if first:
+                        first = False
+                    else:
+                        c.cached_tokens = 0
+                    if c.finish_reason:  # before the yield: the consumer stops at the last chunk
+                        self.breakers.success(d.id)
+                        # The worker now caches the output's full blocks too (a session's next
+                        # turn starts with them), before its heartbeat says so.
+                        d.expect_blocks(job.prompt + generated)
+                        if job.session_id:
+                            await self.state.put_session(
+                                job.session_id, Session(d.id, len(job.prompt) + len(generated))
+                            )
+                    yield c
+                    if c.finish_reason:
+                        return
+                raise WorkerFailed(d, "stream ended without a finish reason")
+            except (WorkerFailed, WorkerBusy) as e:
+                busy = isinstance(e, WorkerBusy)
+                if not busy:
+                    self.breakers.failure(e.worker.id)
+                failed.add(e.worker.id)
+                if len(generated) > n_before or generated:
+                    migrations += 1
+                    self.stats["migrations"] += 1
+                    log.warning(
+                        "migrating", request_id=job.request_id, error=str(e), done=len(generated)
+                    )
+                    if migrations > self.cfg.max_migrations:
+                        raise RouterError(
+                            grpc.StatusCode.UNAVAILABLE,
+                            f"request {job.request_id!r}: gave up after {migrations - 1} "
+                            f"migrations; last failure: {e}",
+                        ) from e
+                    continue  # at once: the client is mid-stream
+                attempts += 1
+                self.stats["retries"] += 1
+                if attempts >= self.cfg.retry_max_attempts:
+                    code = (
+                        grpc.StatusCode.RESOURCE_EXHAUSTED if busy else grpc.StatusCode.UNAVAILABLE
+                    )
+                    raise RouterError(
+                        code, f"request {job.request_id!r}: {attempts} attempts failed; last: {e}"
+                    ) from e
+                log.info("retrying", request_id=job.request_id, error=str(e), attempt=attempts)
+                await self._backoff(attempts, deadline)
+
+    async def _backoff(self, attempt: int, deadline: float | None) -> None:
+        cap = min(self.cfg.retry_max_delay_ms, self.cfg.retry_base_delay_ms * 2 ** (attempt - 1))
+        delay = random.uniform(0, cap) / 1000  # full jitter: retries of many requests spread
+        if deadline is not None and time.monotonic() + delay >= deadline:
+            raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed while retrying")
+        await asyncio.sleep(delay)
+
+    def _timeout(self, deadline: float | None) -> float | None:
+        if deadline is None:
+            return None
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+        return left
+
+    def _fail(self, worker: WorkerView, e: grpc.aio.AioRpcError, what: str) -> Exception:
+        """Classifies a worker's error: its failure, its fullness, or the request's fault."""
+        code = e.code()
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return RouterError(code, f"deadline exceeded during {what}")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return WorkerBusy(worker, f"{what}: {e.details()}")
+        if code in _WORKER_FAILED:
+            return WorkerFailed(worker, f"{what}: {code.name} {e.details()}")
+        return RouterError(code, e.details() or f"{what} failed with {code.name}")
+
+    def _use_prefill_tier(self, d: WorkerView, prompt: list[int], job: Job, failed) -> list:
+        """Prefill workers to use for this prompt, or [] to prefill on the decode worker."""
+        uncached = len(prompt) - d.cached_prefix_blocks(prompt) * d.info.page_size
+        if uncached < self.cfg.disagg_min_uncached_tokens:
+            return []
+        pool = [
+            w
+            for w in self._candidates("prefill", job, failed)
+            if w.info.page_size == d.info.page_size
+        ]
+        free = [w for w in pool if w.load < self.cfg.prefill_busy_threshold_running]
+        return free  # all busy (or none): co-locate rather than queue behind them
+
+    async def _attempt(
+        self, job: Job, d: WorkerView, prompt: list[int], generated, failed, deadline, attempt
+    ) -> AsyncIterator[Chunk]:
+        rid = f"{job.request_id}#{attempt}.{len(generated)}"  # fresh per attempt: no stale state
+        remaining = job.max_tokens - len(generated)
+        dec = decode_pb2_grpc.DecodeStub(self.channel(d.address))
+        stopping = decode_pb2.StoppingParams(
+            max_tokens=remaining, stop_token_ids=job.stop_token_ids, ignore_eos=job.ignore_eos
+        )
+        req = decode_pb2.GenerateRequest(
+            request_id=rid,
+            prompt_token_ids=prompt,
+            sampling=job.sampling,
+            stopping=stopping,
+            resumed_tokens=len(generated),
+        )
+        prefillers = self._use_prefill_tier(d, prompt, job, failed)
+        log.info(
+            "placed",
+            request_id=rid,
+            decode=d.id,
+            cached_blocks=d.cached_prefix_blocks(prompt),
+            prompt_tokens=len(prompt),
+            disaggregated=bool(prefillers),
+        )
+        pages = -(-(len(prompt) + remaining) // d.info.page_size)
+        d.inflight += 1
+        d.inflight_pages += pages
+        call = None
+        try:
+            if prefillers:
+                p = self._choose("prefill", prefillers, RouteRequest(prompt, None, remaining))
+                await self._prefill_into(d, p, rid, prompt, job, len(generated), deadline)
+                self.stats["disaggregated"] += 1
+            else:
+                self.stats["colocated"] += 1
+            d.expect_blocks(prompt)
+            call = dec.Generate(req, timeout=self._timeout(deadline))
+            try:
+                async for r in call:
+                    yield Chunk(
+                        list(r.token_ids),
+                        _FINISH.get(r.finish_reason),
+                        r.cached_tokens,
+                        d.id,
+                    )
+            except grpc.aio.AioRpcError as e:
+                raise self._fail(d, e, "decode stream") from e
+        finally:
+            d.inflight -= 1
+            d.inflight_pages -= pages
+            if call is not None and not call.done():
+                call.cancel()  # the client left or a stop string matched: free the pages now
+
+    async def _prefill_into(
+        self, d: WorkerView, p: WorkerView, rid: str, prompt, job: Job, resumed: int, deadline
+    ) -> None:
+        """Reserve on the decode worker, prefill on p into that reservation."""
+        dec = decode_pb2_grpc.DecodeStub(self.channel(d.address))
+        try:
+            res = await dec.Reserve(
+                decode_pb2.ReserveRequest(
+                    request_id=rid, prompt_token_ids=prompt, lease_ms=self.cfg.reservation_lease_ms
+                ),
+                timeout=self._timeout(deadline),
+            )
+        except grpc.aio.AioRpcError as e:
+            raise self._fail(d, e, "reserve") from e
+        pre = prefill_pb2_grpc.PrefillStub(self.channel(p.address))
+        transport = (
+            prefill_pb2.TRANSPORT_JAX_TRANSFER
+            if self.cfg.transport == "jax_transfer"
+            else prefill_pb2.TRANSPORT_GRPC
+        )
+        p.inflight += 1
+        try:
+            await pre.Prefill(
+                prefill_pb2.PrefillRequest(
+                    request_id=rid,
+                    prompt_token_ids=prompt,
+                    sampling=job.sampling,
+                    decode_address=d.address,
+                    cached_pages=res.cached_pages,
+                    page_size=res.page_size,
+                    transport=transport,
+                    resumed_tokens=resumed,
+                ),
+                timeout=self._timeout(deadline),
+            )
+            p.expect_blocks(prompt)
+            self.breakers.success(p.id)
+        except (grpc.aio.AioRpcError, RouterError) as e:
+            try:  # give the pages back now rather than at lease expiry
+                await dec.Release(decode_pb2.ReleaseRequest(request_id=rid), timeout=2.0)
+            except grpc.aio.AioRpcError:
+                pass
+            if isinstance(e, RouterError):
+                raise
+            if "decode worker refused the KV" in (e.details() or ""):
+                # The push to the decode worker broke (it died, or lost the reservation).
+                raise WorkerFailed(d, f"KV hand-off: {e.details()}") from e
+            raise self._fail(p, e, "prefill") from e
+        finally:
+            p.inflight -= 1

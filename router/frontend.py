@@ -1,0 +1,182 @@
+"""Turns a public GenerateRequest into a validated job: model, prompt ids, sampling, stopping.
+
+Every rejection is a RouterError carrying the gRPC status code and a message that names the
+offending field and value; nothing here touches a worker.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import grpc
+import jinja2
+
+from megaserve.checkpoint import TokenizerInfo
+from megaserve.rpc import decode_pb2
+from megaserve.v1 import generation_pb2 as pb
+from router.stop_strings import StopStringMatcher
+
+ROLES = ("system", "user", "assistant", "tool")
+MAX_REQUEST_ID = 256
+MAX_STOP_TOKEN_IDS = 64
+
+
+class RouterError(Exception):
+    """A request the router refuses: gRPC code + message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def invalid(message: str) -> RouterError:
+    return RouterError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One validated public request, ready to place."""
+
+    request_id: str
+    model: TokenizerInfo
+    prompt: list[int]
+    sampling: decode_pb2.SamplingParams  # what every worker attempt is given
+    max_tokens: int
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    session_id: str
+
+
+def resolve_model(name: str, models: dict[str, TokenizerInfo]) -> TokenizerInfo:
+    if not name:
+        if len(models) == 1:
+            return next(iter(models.values()))
+        raise invalid(f"model is empty and this router serves {sorted(models)}: name one")
+    if name not in models:
+        raise RouterError(
+            grpc.StatusCode.NOT_FOUND, f"model {name!r} is not served; known: {sorted(models)}"
+        )
+    return models[name]
+
+
+def chat_messages(chat: pb.Chat) -> list[dict]:
+    if not chat.messages:
+        raise invalid("chat.messages is empty")
+    out = []
+    for i, m in enumerate(chat.messages):
+        if m.role not in ROLES:
+            raise invalid(f"chat.messages[{i}].role={m.role!r}: must be one of {ROLES}")
+        out.append({"role": m.role, "content": m.content})
+    return out
+
+
+def prompt_ids(req, model: TokenizerInfo) -> list[int]:
+    """Token ids of the request's input (text, chat or ids)."""
+    kind = req.WhichOneof("input")
+    tok = model.tokenizer
+    if kind is None:
+        raise invalid("no input: set one of prompt, prompt_token_ids, chat")
+    if kind == "prompt":
+        if not req.prompt:
+            raise invalid("prompt is empty")
+        ids = tok.encode(req.prompt)
+    elif kind == "chat":
+        try:
+            ids = tok.encode_chat(chat_messages(req.chat))
+        except (ValueError, jinja2.TemplateError) as e:  # e.g. roles out of order, no template
+            raise invalid(f"chat template refused the messages: {e}") from e
+    else:
+        ids = list(req.prompt_token_ids.ids)
+        bad = [(i, t) for i, t in enumerate(ids) if not 0 <= t < model.vocab_size]
+        if bad:
+            i, t = bad[0]
+            raise invalid(
+                f"prompt_token_ids[{i}]={t} outside the vocabulary [0, {model.vocab_size})"
+                + (f" ({len(bad)} ids in all)" if len(bad) > 1 else "")
+            )
+    if not ids:
+        raise invalid(f"{kind} gives no tokens")
+    return ids
+
+
+def _in(name: str, v: float, lo: float, hi: float) -> None:
+    if not (math.isfinite(v) and lo <= v <= hi):
+        raise invalid(f"sampling.{name}={v} must be in [{lo}, {hi}]")
+
+
+def sampling(p: pb.SamplingParams) -> decode_pb2.SamplingParams:
+    if not (math.isfinite(p.temperature) and p.temperature >= 0):
+        raise invalid(f"sampling.temperature={p.temperature} must be finite and >= 0")
+    _in("top_p", p.top_p, 0.0, 1.0)
+    _in("min_p", p.min_p, 0.0, 1.0)
+    if p.top_k < 0:
+        raise invalid(f"sampling.top_k={p.top_k} must be >= 0 (0 disables)")
+    _in("presence_penalty", p.presence_penalty, -2.0, 2.0)
+    _in("frequency_penalty", p.frequency_penalty, -2.0, 2.0)
+    _in("repetition_penalty", p.repetition_penalty, 0.0, 10.0)
+    # A fixed seed per request keeps a migrated request's samples equal to an uninterrupted run.
+    seed = p.seed if p.HasField("seed") else random.getrandbits(32)
+    if seed >= 2**32:
+        raise invalid(f"sampling.seed={seed} must be in [0, 2**32)")
+    return decode_pb2.SamplingParams(
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        min_p=p.min_p,
+        seed=seed,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty,
+    )
+
+
+def parse_generate(
+    req: pb.GenerateRequest, models: dict[str, TokenizerInfo], max_context: int | None, new_id
+) -> Job:
+    """Validates req; max_context is the smallest context of the model's decode workers."""
+    if len(req.request_id) > MAX_REQUEST_ID:
+        raise invalid(f"request_id is {len(req.request_id)} chars; at most {MAX_REQUEST_ID}")
+    model = resolve_model(req.model, models)
+    ids = prompt_ids(req, model)
+    s = sampling(req.sampling)
+    st = req.stopping
+    if st.max_tokens < 0:
+        raise invalid(f"stopping.max_tokens={st.max_tokens} must be >= 0 (0 = up to the context)")
+    max_tokens = st.max_tokens
+    if max_context:
+        if len(ids) >= max_context:
+            raise invalid(
+                f"prompt is {len(ids)} tokens; the context limit of {model.name!r} is {max_context}"
+            )
+        if max_tokens == 0:
+            max_tokens = max_context - len(ids)
+        elif len(ids) + max_tokens > max_context:
+            raise invalid(
+                f"prompt ({len(ids)} tokens) + stopping.max_tokens ({max_tokens}) exceeds the "
+                f"context limit {max_context} of {model.name!r}"
+            )
+    elif max_tokens == 0:
+        max_tokens = 256  # no worker known yet to tell the context; placement will say
+    try:
+        StopStringMatcher(list(st.stop))
+    except ValueError as e:
+        raise invalid(f"stopping.stop: {e}") from e
+    if len(st.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise invalid(f"stopping.stop_token_ids has {len(st.stop_token_ids)} ids; at most 64")
+    for i, t in enumerate(st.stop_token_ids):
+        if not 0 <= t < model.vocab_size:
+            raise invalid(f"stopping.stop_token_ids[{i}]={t} outside [0, {model.vocab_size})")
+    return Job(
+        req.request_id or new_id(),
+        model,
+        ids,
+        s,
+        max_tokens,
+        tuple(st.stop),
+        tuple(st.stop_token_ids),
+        st.ignore_eos,
+        req.session_id,
+    )

@@ -1,0 +1,187 @@
+"""The router's gRPC server: megaserve.v1.Generation (Generate, Tokenize, ListModels),
+health and reflection. Text in, validation, placement, tokens and text out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from megaserve.checkpoint import TokenizerInfo
+from megaserve.v1 import generation_pb2 as pb
+from megaserve.v1 import generation_pb2_grpc as pb_grpc
+from router.config import RouterConfig
+from router.detokenize import IncrementalDetokenizer
+from router.dispatch import Dispatcher
+from router.frontend import RouterError, chat_messages, invalid, parse_generate, resolve_model
+from router.state import ClusterState
+from router.stop_strings import StopStringMatcher
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+log = structlog.get_logger("megaserve.router")
+_FINISH = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "stop_string": pb.FINISH_REASON_STOP_STRING,
+}
+# An in-flight id is held in Redis at most this long (a crashed router's ids expire).
+INFLIGHT_TTL_S = 3600.0
+
+
+class TextStream:
+    """Token ids -> text for one request: incremental detokenization, then stop strings."""
+
+    def __init__(self, model: TokenizerInfo, prompt: list[int], stops: tuple[str, ...]):
+        self.detok = IncrementalDetokenizer(model.tokenizer, prompt, skip_special_tokens=True)
+        self.stops = StopStringMatcher(list(stops))
+
+    def push(self, ids: list[int], final: bool) -> tuple[str, bool]:
+        """(text to send now, a stop string matched)."""
+        text, stopped = self.stops.push(self.detok.push(ids))
+        if final and not stopped:
+            more, stopped = self.stops.push(self.detok.flush())
+            text += more
+            if not stopped:
+                text += self.stops.flush()
+        return text, stopped
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(
+        self,
+        models: dict[str, TokenizerInfo],
+        state: ClusterState,
+        cfg: RouterConfig,
+        router_id: str | None = None,
+    ):
+        self.models, self.state, self.cfg = models, state, cfg
+        self.router_id = router_id or f"router-{uuid.uuid4().hex[:8]}"
+        self.dispatcher = Dispatcher(state, cfg)
+        self.requests = 0
+
+    def max_context(self, model: str) -> int | None:
+        ctx = [w.info.max_context for w in self.state.pool("decode", model) if w.info.max_context]
+        return min(ctx) if ctx else None
+
+    async def Generate(self, request, context):  # noqa: N802 (gRPC method name)
+        arrived = time.monotonic()
+        left = context.time_remaining()
+        deadline = None if left is None else arrived + left
+        try:
+            if deadline is not None and left <= 0:
+                raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline already expired")
+            model = resolve_model(request.model, self.models)
+            job = parse_generate(
+                request,
+                self.models,
+                self.max_context(model.name),
+                lambda: f"req-{uuid.uuid4().hex}",
+            )
+        except RouterError as e:
+            await context.abort(e.code, e.message)
+        if not await self.state.claim(job.request_id, self.router_id, INFLIGHT_TTL_S):
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request_id {job.request_id!r} is already in flight",
+            )
+        self.requests += 1
+        text = TextStream(job.model, job.prompt, job.stop)
+        usage = pb.Usage(prompt_tokens=len(job.prompt))
+        log.info("request", request_id=job.request_id, prompt_tokens=len(job.prompt))
+        try:
+            async with contextlib.aclosing(self.dispatcher.run(job, deadline)) as chunks:
+                async for c in chunks:
+                    if usage.completion_tokens == 0:
+                        usage.cached_tokens = c.cached_tokens
+                    usage.completion_tokens += len(c.token_ids)
+                    new, stopped = text.push(c.token_ids, c.finish_reason is not None)
+                    reason = "stop_string" if stopped else c.finish_reason
+                    yield pb.GenerateResponse(
+                        token_ids=c.token_ids,
+                        text=new,
+                        finish_reason=_FINISH.get(reason, pb.FINISH_REASON_UNSPECIFIED),
+                        usage=usage,
+                        request_id=job.request_id,
+                    )
+                    if reason:
+                        log.info(
+                            "finished",
+                            request_id=job.request_id,
+                            reason=reason,
+                            tokens=usage.completion_tokens,
+                            ms=round(1000 * (time.monotonic() - arrived), 1),
+                        )
+                        return
+        except RouterError as e:
+            log.warning("failed", request_id=job.request_id, code=e.code.name, error=e.message)
+            await context.abort(e.code, e.message)
+        finally:
+            await self.state.release(job.request_id)
+
+    async def Tokenize(self, request, context):  # noqa: N802
+        try:
+            model = resolve_model(request.model, self.models)
+            kind = request.WhichOneof("input")
+            if kind is None:
+                raise invalid("no input: set prompt or chat")
+            if kind == "prompt":
+                ids = model.tokenizer.encode(request.prompt)
+            else:
+                ids = model.tokenizer.encode_chat(chat_messages(request.chat))
+        except RouterError as e:
+            await context.abort(e.code, e.message)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        tokens = [model.tokenizer.decode([i]) for i in ids]
+        return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
+
+    async def ListModels(self, request, context):  # noqa: N802
+        out = []
+        for name, m in sorted(self.models.items()):
+            out.append(
+                pb.Model(
+                    name=name,
+                    vocab_size=m.vocab_size,
+                    max_context=self.max_context(name) or 0,
+                    decode_workers=len(self.state.pool("decode", name)),
+                    prefill_workers=len(self.state.pool("prefill", name)),
+                )
+            )
+        return pb.ListModelsResponse(models=out)
+
+
+async def create_server(
+    models: dict[str, TokenizerInfo],
+    state: ClusterState,
+    cfg: RouterConfig,
+    address: str = "127.0.0.1:0",
+    server_credentials: grpc.ServerCredentials | None = None,
+    interceptors=(),
+):
+    """Starts the router's server; returns (server, port, health servicer, servicer)."""
+    server = grpc.aio.server(interceptors=list(interceptors))
+    servicer = GenerationServicer(models, state, cfg)
+    pb_grpc.add_GenerationServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    port = (
+        server.add_secure_port(address, server_credentials)
+        if server_credentials
+        else server.add_insecure_port(address)
+    )
+    if port == 0:
+        raise OSError(f"cannot bind {address}")
+    await state.start()
+    await server.start()
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, port, health_servicer, servicer

@@ -1,0 +1,255 @@
+"""The router's view of the cluster: workers, their load and cached blocks, sessions, ids.
+
+Everything lives in Redis (megaserve.state_keys) so any number of stateless routers share
+it. The view is refreshed in the background; when Redis is unreachable the router keeps its
+last view (and a local session table) and catches up when Redis returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import redis
+import redis.asyncio as aredis
+import structlog
+
+from megaserve.block_hash import block_hashes
+from megaserve.state_keys import (
+    WorkerInfo,
+    block_hex,
+    inflight_key,
+    session_key,
+    worker_blocks_key,
+    worker_key,
+    workers_set,
+)
+
+log = structlog.get_logger("megaserve.router.state")
+
+# Blocks a router predicts a worker now holds (it just sent a prompt there) are trusted this
+# long before the worker's own published set must confirm them.
+OPTIMISTIC_S = 5.0
+
+
+@dataclass
+class WorkerView:
+    """One worker as the router sees it: its advertised record plus this router's own load."""
+
+    info: WorkerInfo
+    blocks: frozenset[str] = frozenset()  # hex block hashes the worker published
+    optimistic: dict[str, float] = field(default_factory=dict)  # hex -> expiry (monotonic)
+    inflight: int = 0  # requests this router has running there
+    inflight_pages: int = 0  # pages those requests hold (prompt + max output)
+
+    @property
+    def id(self) -> str:
+        return self.info.worker_id
+
+    @property
+    def address(self) -> str:
+        return self.info.address
+
+    @property
+    def load(self) -> int:
+        """Requests running or queued; our own count covers the heartbeat's staleness."""
+        return max(self.info.running + self.info.waiting, self.inflight)
+
+    @property
+    def active_pages(self) -> int:
+        used = self.info.total_pages - self.info.free_pages
+        return max(used, self.inflight_pages)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.active_pages / max(self.info.total_pages, 1)
+
+    def has_block(self, h: str, now: float) -> bool:
+        return h in self.blocks or self.optimistic.get(h, 0.0) > now
+
+    def cached_prefix_blocks(self, prompt: list[int]) -> int:
+        """How many leading full blocks of prompt this worker holds (what it will not prefill).
+
+        The decode tier matches prompt[:-1] (the last token's KV comes from the first step).
+        """
+        n, now = 0, time.monotonic()
+        for h in block_hashes(prompt[: len(prompt) - 1], self.info.page_size):
+            if not self.has_block(block_hex(h), now):
+                break
+            n += 1
+        return n
+
+    def expect_blocks(self, prompt: list[int]) -> None:
+        """Records that this worker is about to cache prompt's full blocks."""
+        until = time.monotonic() + OPTIMISTIC_S
+        for h in block_hashes(prompt[: len(prompt) - 1], self.info.page_size):
+            self.optimistic[block_hex(h)] = until
+
+
+@dataclass
+class Session:
+    worker_id: str
+    kv_tokens: int  # tokens whose KV the worker holds for this session (prompt + output)
+
+
+class ClusterState:
+    """Background-refreshed worker views plus session and in-flight-id operations."""
+
+    def __init__(self, redis_url: str | None, refresh_s: float = 0.2, session_ttl_s: float = 600):
+        self.redis = (
+            aredis.Redis.from_url(redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
+            if redis_url
+            else None
+        )
+        self.refresh_s, self.session_ttl_s = refresh_s, session_ttl_s
+        self.workers: dict[str, WorkerView] = {}
+        self.redis_ok = False
+        self.refreshes = 0
+        self._sessions: dict[str, tuple[Session, float]] = {}  # local fallback, with expiry
+        self._inflight: set[str] = set()
+        self._task: asyncio.Task | None = None
+        self._fresh = asyncio.Event()
+
+    # -- worker view -------------------------------------------------------------------
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+        try:  # a first view before serving, if Redis answers quickly
+            await asyncio.wait_for(self._fresh.wait(), timeout=2.0)
+        except TimeoutError:
+            log.warning("no worker state yet (Redis unreachable?); serving on")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        if self.redis is not None:
+            await self.redis.aclose()
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+                if not self.redis_ok:
+                    log.info("redis reachable; worker view live", workers=len(self.workers))
+                self.redis_ok = True
+                self._fresh.set()
+            except (redis.RedisError, OSError) as e:
+                if self.redis_ok:
+                    log.warning("redis unreachable; serving on the last known view", error=str(e))
+                self.redis_ok = False
+            await asyncio.sleep(self.refresh_s)
+
+    async def refresh(self) -> None:
+        """Reads every registered worker, its load and its cached blocks."""
+        if self.redis is None:
+            return
+        r = self.redis
+        ids = []
+        for role in ("decode", "prefill"):
+            ids += [
+                (m.decode() if isinstance(m, bytes) else m)
+                for m in await r.smembers(workers_set(role))
+            ]
+        pipe = r.pipeline(transaction=False)
+        for wid in ids:
+            pipe.hgetall(worker_key(wid))
+            pipe.smembers(worker_blocks_key(wid))
+        res = await pipe.execute() if ids else []
+        seen, stale = {}, []
+        now = time.monotonic()
+        for i, wid in enumerate(ids):
+            h, blocks = res[2 * i], res[2 * i + 1]
+            if not h:  # heartbeat expired: the worker is gone
+                stale.append(wid)
+                continue
+            try:
+                info = WorkerInfo.from_hash(h)
+            except (KeyError, ValueError) as e:
+                log.warning("unreadable worker record", worker_id=wid, error=str(e))
+                continue
+            view = self.workers.get(wid) or WorkerView(info)
+            view.info = info
+            view.blocks = frozenset(b.decode() if isinstance(b, bytes) else b for b in blocks)
+            view.optimistic = {
+                k: t for k, t in view.optimistic.items() if t > now and k not in view.blocks
+            }
+            seen[wid] = view
+        self.workers = seen
+        self.refreshes += 1
+        if stale:  # expired members: tidy the sets so later refreshes stay cheap
+            pipe = r.pipeline(transaction=False)
+            for wid in stale:
+                pipe.srem(workers_set("decode"), wid)
+                pipe.srem(workers_set("prefill"), wid)
+            await pipe.execute()
+
+    def pool(self, role: str, model: str) -> list[WorkerView]:
+        return [w for w in self.workers.values() if w.info.role == role and w.info.model == model]
+
+    def models(self) -> dict[str, list[WorkerView]]:
+        out: dict[str, list[WorkerView]] = {}
+        for w in self.workers.values():
+            out.setdefault(w.info.model, []).append(w)
+        return out
+
+    # -- sessions ----------------------------------------------------------------------
+    async def get_session(self, session_id: str) -> Session | None:
+        if self.redis is not None:
+            try:
+                h = await self.redis.hgetall(session_key(session_id))
+                if h:
+                    h = {k.decode(): v.decode() for k, v in h.items()}
+                    await self.redis.expire(session_key(session_id), int(self.session_ttl_s))
+                    return Session(h["worker_id"], int(h["kv_tokens"]))
+            except (redis.RedisError, OSError, KeyError, ValueError):
+                pass  # fall back to this router's own table
+        s = self._sessions.get(session_id)
+        if s is None or s[1] < time.monotonic():
+            return None
+        return s[0]
+
+    async def put_session(self, session_id: str, s: Session) -> None:
+        self._sessions[session_id] = (s, time.monotonic() + self.session_ttl_s)
+        if len(self._sessions) > 100_000:  # bound the fallback table
+            now = time.monotonic()
+            self._sessions = {k: v for k, v in self._sessions.items() if v[1] > now}
+        if self.redis is None:
+            return
+        try:
+            pipe = self.redis.pipeline()
+            key = session_key(session_id)
+            pipe.hset(key, mapping={"worker_id": s.worker_id, "kv_tokens": str(s.kv_tokens)})
+            pipe.expire(key, int(self.session_ttl_s))
+            await pipe.execute()
+        except (redis.RedisError, OSError) as e:
+            log.warning("session not saved in redis", session_id=session_id, error=str(e))
+
+    # -- in-flight request ids -----------------------------------------------------------
+    async def claim(self, request_id: str, owner: str, ttl_s: float) -> bool:
+        """True if no other request with this id is in flight on any router."""
+        if request_id in self._inflight:
+            return False
+        self._inflight.add(request_id)
+        if self.redis is not None:
+            try:
+                ok = await self.redis.set(
+                    inflight_key(request_id), owner, nx=True, px=int(ttl_s * 1000)
+                )
+                if not ok:
+                    self._inflight.discard(request_id)
+                    return False
+            except (redis.RedisError, OSError):
+                pass  # Redis down: only this router's own ids are checked
+        return True
+
+    async def release(self, request_id: str) -> None:
+        self._inflight.discard(request_id)
+        if self.redis is not None:
+            try:
+                await self.redis.delete(inflight_key(request_id))
+            except (redis.RedisError, OSError):
+                pass  # the key expires by itself

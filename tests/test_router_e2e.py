@@ -1,0 +1,209 @@
+"""Router -> prefill -> decode as real processes on a real Redis: tokens equal in-process
+generation for text, chat and token-id inputs; sessions; bad input; health and reflection."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from megaserve.checkpoint import load_tokenizer
+from megaserve.model import LoadedModel
+from megaserve.offline import OfflineGenerator
+from megaserve.rpc import decode_pb2, decode_pb2_grpc
+from megaserve.sampling_params import SamplingParams
+from megaserve.v1 import generation_pb2 as pb
+from megaserve.v1 import generation_pb2_grpc as pbg
+from tests.redis_server import RedisServer
+from tests.stack import Stack, make_chat_checkpoint, tokens_equal_report
+
+MODEL = "tiny-chat"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("router")
+    ck = make_chat_checkpoint(tmp / "ck")
+    rs = RedisServer(tmp).start()
+    (tmp / "lb.yaml").write_text(
+        "decode_policy: session_affinity\nsession_fallback_policy: kv_aware\n"
+        "disagg_min_uncached_tokens: 48\n"
+    )
+    st = Stack(rs.url, ck)
+    try:
+        procs = [st.worker("decode", "d1"), st.worker("decode", "d2"), st.worker("prefill", "p1")]
+        router = st.router("r1", "--config", str(tmp / "lb.yaml"))
+        for p in [*procs, router]:
+            p.wait_ready()
+        st.wait_registered(["d1", "d2", "p1"])
+        with grpc.insecure_channel(router.address) as ch:
+            grpc.channel_ready_future(ch).result(timeout=30)
+            # The router's view refreshes every 200 ms; wait until it sees every worker.
+            stub = pbg.GenerationStub(ch)
+            for _ in range(100):
+                m = stub.ListModels(pb.ListModelsRequest()).models
+                if m and m[0].decode_workers == 2 and m[0].prefill_workers == 1:
+                    break
+                import time
+
+                time.sleep(0.1)
+            yield st, router.address, ck, rs
+    finally:
+        st.stop()
+        rs.kill()
+
+
+@pytest.fixture(scope="module")
+def reference(stack):
+    _, _, ck, _ = stack
+    model = LoadedModel.load(str(ck), progress=False)
+    return model, OfflineGenerator(model, page_size=16, max_context=512)
+
+
+def _generate(addr, **kw):
+    with grpc.insecure_channel(addr) as ch:
+        out = list(
+            pbg.GenerationStub(ch).Generate(pb.GenerateRequest(model=MODEL, **kw), timeout=120)
+        )
+    return [t for o in out for t in o.token_ids], "".join(o.text for o in out), out
+
+
+def _ref_ids(ck, kind, value):
+    tok = load_tokenizer(str(ck)).tokenizer
+    if kind == "prompt":
+        return tok.encode(value)
+    if kind == "chat":
+        return tok.encode_chat(value)
+    return value
+
+
+LONG = "Serving systems batch requests continuously over a paged KV cache. " * 4
+CASES = {
+    "prompt": LONG,  # long enough (>= 48 uncached tokens) to take the prefill tier
+    "chat": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}],
+    "prompt_token_ids": list(range(3, 90)),
+}
+
+
+def _input(kind, value):
+    if kind == "prompt":
+        return {"prompt": value}
+    if kind == "chat":
+        return {"chat": pb.Chat(messages=[pb.ChatMessage(**m) for m in value])}
+    return {"prompt_token_ids": pb.TokenIds(ids=value)}
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_tokens_equal_in_process_generation(stack, reference, kind, sampled):
+    _, addr, ck, _ = stack
+    model, gen = reference
+    sp = SamplingParams(temperature=0.9, top_k=40, seed=11) if sampled else SamplingParams()
+    sampling = pb.SamplingParams(temperature=sp.temperature, top_k=sp.top_k, seed=sp.seed)
+    ids, text, out = _generate(
+        addr,
+        **_input(kind, CASES[kind]),
+        sampling=sampling,
+        stopping=pb.StoppingParams(max_tokens=24, ignore_eos=True),
+    )
+    prompt = _ref_ids(ck, kind, CASES[kind])
+    want = gen.generate(prompt, 24, sp, ignore_eos=True).token_ids
+    assert ids == want, tokens_equal_report(ids, want)
+    assert text == model.tokenizer.decode(ids, skip_special_tokens=True)
+    last = out[-1]
+    assert last.finish_reason == pb.FINISH_REASON_LENGTH
+    assert all(o.finish_reason == pb.FINISH_REASON_UNSPECIFIED for o in out[:-1])
+    assert last.usage.prompt_tokens == len(prompt) and last.usage.completion_tokens == 24
+
+
+def test_eos_and_stop_strings(stack, reference):
+    _, addr, ck, _ = stack
+    model, gen = reference
+    prompt = list(range(3, 40))
+    free = gen.generate(prompt, 40, SamplingParams(), ignore_eos=True).token_ids
+    # A stop token id ends generation and is included.
+    stop_tok = free[5]
+    ids, _, out = _generate(
+        addr,
+        prompt_token_ids=pb.TokenIds(ids=prompt),
+        stopping=pb.StoppingParams(max_tokens=40, stop_token_ids=[stop_tok], ignore_eos=True),
+    )
+    assert ids == free[: free.index(stop_tok) + 1]
+    assert out[-1].finish_reason == pb.FINISH_REASON_STOP
+    # A stop string taken from the free-running text cuts the text before it.
+    full = model.tokenizer.decode(free, skip_special_tokens=True)
+    stop = full[10:14]
+    _, text, out = _generate(
+        addr,
+        prompt_token_ids=pb.TokenIds(ids=prompt),
+        stopping=pb.StoppingParams(max_tokens=40, stop=[stop], ignore_eos=True),
+    )
+    assert out[-1].finish_reason == pb.FINISH_REASON_STOP_STRING
+    assert text == full[: full.index(stop)]
+
+
+def _stats(addr):
+    with grpc.insecure_channel(addr) as ch:
+        return decode_pb2_grpc.DecodeStub(ch).Stats(decode_pb2.StatsRequest())
+
+
+def test_session_second_turn_prefills_only_the_suffix(stack):
+    st, addr, ck, _ = stack
+    tok = load_tokenizer(str(ck)).tokenizer
+    turn1 = [{"role": "user", "content": LONG}]
+    ids1, text1, out1 = _generate(
+        addr,
+        chat=pb.Chat(messages=[pb.ChatMessage(**m) for m in turn1]),
+        stopping=pb.StoppingParams(max_tokens=8, ignore_eos=True),
+        session_id="sess-1",
+    )
+    r = redis.Redis.from_url(st.redis_url)
+    holder = r.hget("megaserve:session:sess-1", "worker_id").decode()
+    addr_of = {w: st.procs[w].address for w in ("d1", "d2")}
+    before = {w: _stats(a) for w, a in addr_of.items()}
+    turn2 = turn1 + [
+        {"role": "assistant", "content": text1},
+        {"role": "user", "content": "and then?"},
+    ]
+    prompt2 = tok.encode_chat(turn2)
+    _, _, out2 = _generate(
+        addr,
+        chat=pb.Chat(messages=[pb.ChatMessage(**m) for m in turn2]),
+        stopping=pb.StoppingParams(max_tokens=4, ignore_eos=True),
+        session_id="sess-1",
+    )
+    after = {w: _stats(a) for w, a in addr_of.items()}
+    other = "d2" if holder == "d1" else "d1"
+    assert after[other].prefill_tokens == before[other].prefill_tokens  # not placed there
+    assert after[other].imported_requests == before[other].imported_requests
+    computed = after[holder].prefill_tokens - before[holder].prefill_tokens
+    cached = out2[-1].usage.cached_tokens
+    # Turn 1's prompt pages are cached on the holder; only the rest was prefilled, there.
+    prompt1 = tok.encode_chat(turn1)
+    assert cached >= (len(prompt1) - 1) // 16 * 16 > 0
+    assert computed == len(prompt2) - cached, (computed, len(prompt2), cached)
+    assert after[holder].imported_requests == before[holder].imported_requests
+
+
+def test_health_reflection_and_models(stack):
+    _, addr, _, _ = stack
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc.insecure_channel(addr) as ch:
+        h = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="megaserve.v1.Generation")
+        )
+        assert h.status == health_pb2.HealthCheckResponse.SERVING
+        refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+        resp = next(
+            refl.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+            )
+        )
+        names = {s.name for s in resp.list_services_response.service}
+        assert "megaserve.v1.Generation" in names
+        models = pbg.GenerationStub(ch).ListModels(pb.ListModelsRequest()).models
+        assert [(m.name, m.max_context, m.decode_workers) for m in models] == [(MODEL, 512, 2)]
+        tk = pbg.GenerationStub(ch).Tokenize(pb.TokenizeRequest(model=MODEL, prompt="hello"))
+        assert "".join(tk.tokens) == "hello"
