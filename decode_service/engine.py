@@ -16,7 +16,7 @@ from decode_service.page_allocator import OutOfPages, PageAllocator
 from decode_service.scheduler import Scheduler, SchedulerConfig
 from decode_service.sequence import Sequence
 from kernels.kv_cache import KVPool
-from kernels.xla_step import SamplingArrays, StepConfig, XlaRunner
+from kernels.xla_step import SamplingArrays, StepConfig, make_runner
 from megaserve.block_hash import block_hashes
 from megaserve.errors import RequestError, check_prompt_ids
 from megaserve.model import LoadedModel
@@ -28,6 +28,8 @@ class EngineConfig:
     kv_budget_bytes: int = 256 * 2**20  # the pool is sized from this
     max_context: int = 2048  # prompt + output tokens per sequence
     scheduler: SchedulerConfig = SchedulerConfig()
+    # Decode step backend: "xla" or "pallas" (the megakernel); None = pallas on TPU, else xla.
+    backend: str | None = None
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,9 @@ class DecodeEngine:
             + (cfg.scheduler.prefill_chunk,),
             max_pages_per_seq=self.max_pages_per_seq,
         )
-        self.runner = XlaRunner(model.family, mc, model.params, self.pool, step_cfg)
+        self.runner = make_runner(
+            model.family, mc, model.params, self.pool, step_cfg, backend=cfg.backend
+        )
         self.steps = 0
         self._inbox: queue.Queue = queue.Queue()
         self._cancel: set[str] = set()
@@ -112,6 +116,7 @@ class DecodeEngine:
         self.prefill_tokens = 0  # prompt tokens computed by this worker's own prefill
         self.cached_prompt_tokens = 0  # prompt tokens served from the prefix cache
         self.imported_requests = 0  # requests whose KV came from a prefill worker
+        self.requests = 0  # Generate calls accepted
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -142,6 +147,7 @@ class DecodeEngine:
                 raise Full(f"queue full ({self.cfg.scheduler.max_waiting} waiting); retry later")
             self._live[seq.request_id] = seq
             self._sinks[seq.request_id] = sink
+            self.requests += 1
         if seq.request_id in self.reservations:
             try:
                 self._call(self._attach, seq)
@@ -419,6 +425,7 @@ class DecodeEngine:
             "prefill_tokens": self.prefill_tokens,
             "cached_prompt_tokens": self.cached_prompt_tokens,
             "imported_requests": self.imported_requests,
+            "requests": self.requests,
         }
 
 

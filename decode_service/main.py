@@ -31,7 +31,7 @@ class WorkerConfig:
     worker_id: str = field(default_factory=lambda: f"decode-{uuid.uuid4().hex[:8]}")
     redis_url: str | None = None
     metrics_port: int | None = None
-    heartbeat_s: float = 1.0
+    heartbeat_s: float = 0.5
     heartbeat_ttl_s: float = 5.0
     shutdown_grace_s: float = 10.0
     engine: EngineConfig = EngineConfig()
@@ -56,6 +56,7 @@ def config_from_args(a) -> WorkerConfig:
         redis_url=a.redis_url,
         metrics_port=a.metrics_port,
         shutdown_grace_s=a.shutdown_grace,
+        heartbeat_s=a.heartbeat_s,
         model_name=served_model_name(a),
         advertise_host=advertised_address(a, 0).rsplit(":", 1)[0],
         engine=EngineConfig(

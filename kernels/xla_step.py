@@ -267,3 +267,31 @@ class XlaRunner:
         )
         toks = np.asarray(toks)[:, :n]
         return toks, (np.asarray(logits)[:, :n] if want_logits else None)
+
+
+BACKENDS = ("xla", "pallas")
+
+
+def default_backend() -> str:
+    """`pallas` (the megakernel) on TPU, `xla` everywhere else."""
+    return "pallas" if jax.default_backend() == "tpu" else "xla"
+
+
+def make_runner(
+    family: ModuleType,
+    cfg: Any,
+    params: dict,
+    pool: KVPool,
+    step_cfg: StepConfig | None = None,
+    backend: str | None = None,
+) -> XlaRunner:
+    """The decode step's runner for a backend; `pallas` off TPU runs the TPU interpreter."""
+    backend = backend or default_backend()
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    step_cfg = step_cfg or StepConfig()
+    if backend == "pallas":
+        from kernels.megakernel.runner import MegakernelRunner
+
+        return MegakernelRunner(family, cfg, params, pool, step_cfg)
+    return XlaRunner(family, cfg, params, pool, step_cfg)

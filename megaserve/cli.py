@@ -119,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     from megaserve.bench.cli import add_bench
 
     add_bench(sub)
+    from megaserve.kernels_cli import add_kernels
+
+    add_kernels(sub)
     w = sub.add_parser("decode-worker", help="run a decode worker (gRPC, continuous batching)")
     from decode_service.main import add_arguments
 

@@ -11,6 +11,9 @@ def add_common_arguments(p, max_context: int) -> None:
     p.add_argument("--redis-url", help="register and heartbeat here (redis://host:port/db)")
     p.add_argument("--metrics-port", type=int, help="Prometheus /metrics on this port")
     p.add_argument("--kv-budget-mb", type=int, default=256)
+    p.add_argument(
+        "--heartbeat-s", type=float, default=0.5, help="how often load and blocks go to Redis"
+    )
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-context", type=int, default=max_context)
     p.add_argument(

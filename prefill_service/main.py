@@ -56,7 +56,11 @@ async def serve(a) -> None:
             model.cfg.vocab_size,
         )
 
-    hb = Heartbeat(a.redis_url, info, blocks=engine.alloc).start() if a.redis_url else None
+    hb = (
+        Heartbeat(a.redis_url, info, a.heartbeat_s, blocks=engine.alloc).start()
+        if a.redis_url
+        else None
+    )
     print(f"READY prefill worker {worker_id} grpc={address}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -19,9 +19,12 @@ class RouterConfig:
     prefill_policy: str = "round_robin"
     decode_policy: str = "kv_aware"
     session_fallback_policy: str = "kv_aware"
-    prefill_load_scale: float = 1.0
+    prefill_load_scale: float = 4.0
     busy_threshold_running: int = 64
     busy_threshold_kv_usage: float = 0.95
+    balance_max_excess: int = 8
+    balance_max_share: float = 1.5
+    balance_window: int = 64
     disagg_min_uncached_tokens: int = 256
     prefill_busy_threshold_running: int = 16
     transport: str = "grpc"
@@ -47,7 +50,9 @@ class RouterConfig:
             raise ValueError(
                 f"busy_threshold_kv_usage={self.busy_threshold_kv_usage} not in (0, 1]"
             )
-        for name in ("retry_max_attempts", "circuit_breaker_failures"):
+        if self.balance_max_share < 1:
+            raise ValueError(f"balance_max_share={self.balance_max_share} must be >= 1")
+        for name in ("retry_max_attempts", "circuit_breaker_failures", "balance_window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         for f in dataclasses.fields(self):

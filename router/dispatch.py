@@ -235,15 +235,19 @@ class Dispatcher:
             resumed_tokens=len(generated),
         )
         prefillers = self._use_prefill_tier(d, prompt, job, failed)
+        # Pages this request adds: its prefix hits are shared with whoever cached them.
+        cached = d.cached_prefix_blocks(prompt)
+        pages = -(-(len(prompt) + remaining) // d.info.page_size) - cached
+        # Later requests with this prefix count it as there from now on (before any heartbeat).
+        d.expect_blocks(prompt)
         log.info(
             "placed",
             request_id=rid,
             decode=d.id,
-            cached_blocks=d.cached_prefix_blocks(prompt),
+            cached_blocks=cached,
             prompt_tokens=len(prompt),
             disaggregated=bool(prefillers),
         )
-        pages = -(-(len(prompt) + remaining) // d.info.page_size)
         d.inflight += 1
         d.inflight_pages += pages
         call = None
@@ -254,7 +258,6 @@ class Dispatcher:
                 self.stats["disaggregated"] += 1
             else:
                 self.stats["colocated"] += 1
-            d.expect_blocks(prompt)
             call = dec.Generate(req, timeout=self._timeout(deadline))
             try:
                 async for r in call:

@@ -141,6 +141,8 @@ class ClusterState:
                 if self.redis_ok:
                     log.warning("redis unreachable; serving on the last known view", error=str(e))
                 self.redis_ok = False
+            except Exception as e:  # a bad record must not stop the view from refreshing
+                log.exception("state refresh failed", error=repr(e))
             await asyncio.sleep(self.refresh_s)
 
     async def refresh(self) -> None:

@@ -52,6 +52,25 @@ def add_bench(sub) -> None:
     dg.add_argument("--raw-only", action="store_true", help="only the transport GB/s rows")
     dg.add_argument("--json-out")
     dg.set_defaults(func=cmd_bench_disagg)
+    rt = bsub.add_parser(
+        "router", help="policies on a shared-prefix workload; router overhead and throughput"
+    )
+    rt.add_argument("--checkpoint", default="smollm2")
+    rt.add_argument(
+        "--policies", default="round_robin,least_loaded,power_of_two,kv_aware,session_affinity"
+    )
+    rt.add_argument("--decode-workers", type=int, default=2)
+    rt.add_argument("--prefill-workers", type=int, default=0)
+    rt.add_argument("--systems", type=int, default=8, help="distinct long system prompts")
+    rt.add_argument("--users", type=int, default=8, help="users per system prompt")
+    rt.add_argument("--system-tokens", type=int, default=192)
+    rt.add_argument("--user-tokens", type=int, default=24)
+    rt.add_argument("--max-tokens", type=int, default=8)
+    rt.add_argument("--concurrency", type=int, default=8)
+    rt.add_argument("--kv-budget-mb", type=int, default=64)
+    rt.add_argument("--skip-overhead", action="store_true")
+    rt.add_argument("--json-out")
+    rt.set_defaults(func=cmd_bench_router)
 
 
 def _peer_rows(a, gguf: Path, batches: list[int]) -> list[dict]:
@@ -253,4 +272,30 @@ def cmd_bench_disagg(a: argparse.Namespace) -> int:
     rows = {"handoff": rows, "raw": raw}
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+def cmd_bench_router(a) -> int:
+    from megaserve.bench.router import Workload, bench_overhead, bench_policies
+
+    wl = Workload(a.systems, a.users, a.system_tokens, a.user_tokens, a.max_tokens, a.concurrency)
+    worker_args = ("--kv-budget-mb", str(a.kv_budget_mb))
+    print(
+        f"shared-prefix workload: {a.systems} system prompts x {a.users} users, "
+        f"{a.system_tokens}+{a.user_tokens} prompt tokens, {a.max_tokens} new tokens, "
+        f"concurrency {a.concurrency}, {a.decode_workers} decode workers"
+    )
+    rows = bench_policies(
+        a.checkpoint,
+        a.policies.split(","),
+        wl,
+        a.decode_workers,
+        a.prefill_workers,
+        worker_args,
+    )
+    out = {"policies": rows}
+    if not a.skip_overhead:
+        out["overhead"] = bench_overhead(a.checkpoint, worker_args=worker_args)
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps(out, indent=2))
     return 0

@@ -125,7 +125,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("total_pages", "free_pages", "cached_pages", "running", "waiting", "reserved", "steps", "preemptions", "page_size", "prefill_tokens", "cached_prompt_tokens", "imported_requests")
+    __slots__ = ("total_pages", "free_pages", "cached_pages", "running", "waiting", "reserved", "steps", "preemptions", "page_size", "prefill_tokens", "cached_prompt_tokens", "imported_requests", "requests")
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,7 @@ class StatsResponse(_message.Message):
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IMPORTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
     total_pages: int
     free_pages: int
     cached_pages: int
@@ -150,4 +151,5 @@ class StatsResponse(_message.Message):
     prefill_tokens: int
     cached_prompt_tokens: int
     imported_requests: int
-    def __init__(self, total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., reserved: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., page_size: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., imported_requests: _Optional[int] = ...) -> None: ...
+    requests: int
+    def __init__(self, total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., reserved: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., page_size: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., imported_requests: _Optional[int] = ..., requests: _Optional[int] = ...) -> None: ...

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Protocol
+
+import numpy as np
 
 from router.config import RouterConfig
 from router.state import Session, WorkerView
@@ -27,6 +30,25 @@ class Policy(Protocol):
 
 
 def not_busy(workers: list[WorkerView], cfg: RouterConfig, running: int) -> list[WorkerView]:
-    """The workers under both busy thresholds, or all of them when every one is busy."""
-    ok = [w for w in workers if w.load < running and w.kv_usage < cfg.busy_threshold_kv_usage]
+    """The workers under the busy thresholds, or all of them when every one is busy.
+
+    Busy: `running` or more requests, KV usage at the threshold, or more than
+    balance_max_excess requests above the least loaded worker (which bounds how far a
+    cache-hot worker can pull ahead of the others).
+    """
+    least = min(w.load for w in workers)
+    ok = [
+        w
+        for w in workers
+        if w.load < running
+        and w.kv_usage < cfg.busy_threshold_kv_usage
+        and w.load <= least + cfg.balance_max_excess
+    ]
     return ok or workers
+
+
+def tie_break(prompt: list[int], worker_id: str) -> bytes:
+    """Rendezvous hash of (prompt's first block, worker): among equal costs a prefix lands on
+    the same worker from every router, and different prefixes spread over the workers."""
+    head = np.asarray(prompt[:16], np.int64).tobytes()
+    return hashlib.blake2b(head + worker_id.encode(), digest_size=8).digest()

