@@ -28,6 +28,7 @@ class EngineConfig:
     kv_budget_bytes: int = 256 * 2**20  # the pool is sized from this
     max_context: int = 2048  # prompt + output tokens per sequence
     scheduler: SchedulerConfig = SchedulerConfig()
+    attach_lease_s: float = 30.0  # committed imported KV waits this long for its Generate call
     # Decode step backend: "xla" or "pallas" (the megakernel); None = pallas on TPU, else xla.
     backend: str | None = None
 
@@ -245,7 +246,9 @@ class DecodeEngine:
             raise RequestError(f"reservation {request_id!r} expired before its KV committed")
         self.pool.write_pages(np.asarray(res.pages[res.cached_pages :], np.int32), k, v)
         res.first_token = int(first_token)
-        res.expires = float("inf")  # the KV is in; the lease now only waits for Generate
+        # The KV is in; a Generate call must now attach within the attach lease, or the pages
+        # go back (a router that vanished between hand-off and Generate leaks nothing).
+        res.expires = time.monotonic() + self.cfg.attach_lease_s
         if res.waiter is not None:
             self._start_imported(res)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 import uuid
 from dataclasses import dataclass, field
 
@@ -15,6 +16,7 @@ from decode_service.scheduler import SchedulerConfig
 from decode_service.server import SERVICE, create_server
 from megaserve.model import LoadedModel
 from megaserve.registration import Heartbeat
+from megaserve.security import TLSConfig, TLSConfigError
 from megaserve.state_keys import WorkerInfo
 from megaserve.worker_args import add_common_arguments, advertised_address, served_model_name
 
@@ -37,6 +39,7 @@ class WorkerConfig:
     engine: EngineConfig = EngineConfig()
     model_name: str = ""  # advertised model name ("" = the checkpoint source)
     advertise_host: str = ""  # host peers dial ("" = host)
+    tls: TLSConfig | None = None  # --tls-cert/--tls-key/--tls-ca (mTLS when a CA is given)
 
 
 def add_arguments(p) -> None:
@@ -59,6 +62,7 @@ def config_from_args(a) -> WorkerConfig:
         heartbeat_s=a.heartbeat_s,
         model_name=served_model_name(a),
         advertise_host=advertised_address(a, 0).rsplit(":", 1)[0],
+        tls=TLSConfig.from_args(a),
         engine=EngineConfig(
             page_size=a.page_size,
             kv_budget_bytes=a.kv_budget_mb * 2**20,
@@ -74,7 +78,7 @@ async def serve(cfg: WorkerConfig) -> None:
     model = LoadedModel.load(cfg.checkpoint, progress=False)
     engine = DecodeEngine(model, cfg.engine)
     engine.start()
-    server, port, health, servicer = await create_server(engine, f"{cfg.host}:{cfg.port}")
+    server, port, health, servicer = await create_server(engine, f"{cfg.host}:{cfg.port}", cfg.tls)
     address = f"{cfg.advertise_host or cfg.host}:{port}"
     metrics_port = (
         servicer.metrics.serve(cfg.metrics_port) if cfg.metrics_port is not None else None
@@ -130,5 +134,10 @@ def main(a) -> int:
     from megaserve.logs import configure
 
     configure()
-    asyncio.run(serve(config_from_args(a)))
+    try:
+        cfg = config_from_args(a)  # before the model loads: a bad TLS file fails at once
+    except TLSConfigError as e:
+        print(f"megaserve decode-worker: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    asyncio.run(serve(cfg))
     return 0

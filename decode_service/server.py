@@ -17,6 +17,7 @@ from decode_service.sequence import Sequence
 from megaserve.errors import RequestError
 from megaserve.rpc import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, kv_transfer_pb2_grpc
 from megaserve.sampling_params import SamplingParams
+from megaserve.security import TLSConfig, add_port
 
 _FINISH = {
     None: decode_pb2.FINISH_REASON_UNSPECIFIED,
@@ -160,8 +161,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return decode_pb2.StatsResponse(**self.engine.stats())
 
 
-async def create_server(engine: DecodeEngine, address: str = "127.0.0.1:0"):
-    """Builds and starts the server; returns (server, bound port, health, servicer)."""
+async def create_server(
+    engine: DecodeEngine, address: str = "127.0.0.1:0", tls: TLSConfig | None = None
+):
+    """Builds and starts the server; returns (server, bound port, health, servicer).
+
+    With `tls` the port serves TLS, and mTLS (client certificates signed by tls.ca) when
+    tls.ca is set: only the other tiers may reserve, push KV or generate."""
     # KV chunks can be several MB; senders split by layer and page group below this.
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
     servicer = DecodeServicer(engine)
@@ -176,9 +182,7 @@ async def create_server(engine: DecodeEngine, address: str = "127.0.0.1:0"):
     reflection.enable_server_reflection(
         (SERVICE, KV_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"cannot bind {address}")
+    port = add_port(server, address, tls)
     await server.start()
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from megaserve.errors import CheckpointError, RequestError
@@ -47,9 +48,22 @@ def _add_generate(sub) -> None:
         action="store_true",
         help='print {"token_ids": [...], "text": "..."} for the generated part only',
     )
+    p.add_argument("--server", help="generate through a running router (host:port) instead")
+    p.add_argument("--model", help="with --server: the model name (default: the only one)")
+    p.add_argument("--stop", action="append", help="with --server: a stop string (repeatable)")
+    _add_client_auth(p)
+
+
+def _add_client_auth(p) -> None:
+    p.add_argument("--token", default=os.environ.get("MEGASERVE_API_TOKEN"), help="bearer token")
+    p.add_argument("--tls-ca", help="CA certificate: connect with TLS")
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
+    if a.server:
+        from megaserve.client import generate_remote
+
+        return generate_remote(a)
     from megaserve.model import LoadedModel
     from megaserve.offline import OfflineGenerator
     from megaserve.sampling_params import SamplingParams
@@ -108,6 +122,18 @@ def _router(a: argparse.Namespace) -> int:
     return router_main(a)
 
 
+def _serve(a: argparse.Namespace) -> int:
+    from megaserve.serve import serve
+
+    return serve(a)
+
+
+def _chat(a: argparse.Namespace) -> int:
+    from megaserve.client import chat
+
+    return chat(a)
+
+
 def _strip_eos(ids: list[int], eos: tuple[int, ...]) -> list[int]:
     return ids[:-1] if ids and ids[-1] in eos else ids
 
@@ -137,6 +163,18 @@ def main(argv: list[str] | None = None) -> int:
 
     add_router_arguments(r)
     r.set_defaults(func=_router)
+    sv = sub.add_parser("serve", help="the whole stack locally: Redis, workers, router")
+    from megaserve.serve import add_arguments as add_serve_arguments
+
+    add_serve_arguments(sv)
+    sv.set_defaults(func=_serve)
+    ch = sub.add_parser("chat", help="interactive chat with a running router (streams)")
+    ch.add_argument("--server", default="127.0.0.1:50051")
+    ch.add_argument("--system", help="a system prompt")
+    ch.add_argument("--max-new-tokens", type=int, default=256)
+    ch.add_argument("--temperature", type=float, default=0.0)
+    _add_client_auth(ch)
+    ch.set_defaults(func=_chat)
     a = parser.parse_args(argv)
     try:
         if a.cmd == "generate":

@@ -86,6 +86,16 @@ class RedisProcess:
     stop = kill
 
 
+def _die_with_parent() -> None:
+    """Linux: the child gets SIGTERM if the launcher dies (even by SIGKILL): no orphans."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def child_env() -> dict[str, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.setdefault("JAX_PLATFORMS", "cpu")
@@ -108,6 +118,7 @@ class Proc:
             cwd=REPO,
             env=child_env(),
             start_new_session=True,  # Ctrl-C goes to the launcher, which stops children in order
+            preexec_fn=_die_with_parent,
         )
         self._ready = threading.Event()
         self.ready_line = ""

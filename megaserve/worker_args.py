@@ -24,6 +24,9 @@ def add_common_arguments(p, max_context: int) -> None:
         help="host other processes reach this worker at (default: --host, or the hostname "
         "when binding 0.0.0.0; in Kubernetes the pod IP)",
     )
+    from megaserve.security import add_tls_arguments
+
+    add_tls_arguments(p)
 
 
 def advertised_address(a, port: int) -> str:

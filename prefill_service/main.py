@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 import uuid
 
 import structlog
@@ -11,6 +12,7 @@ from grpc_health.v1 import health_pb2
 
 from megaserve.model import LoadedModel
 from megaserve.registration import Heartbeat
+from megaserve.security import TLSConfig, TLSConfigError
 from megaserve.state_keys import WorkerInfo
 from megaserve.worker_args import add_common_arguments, advertised_address, served_model_name
 from prefill_service.engine import PrefillConfig, PrefillEngine
@@ -24,7 +26,7 @@ def add_arguments(p) -> None:
     p.add_argument("--prefill-chunk", type=int, default=256)
 
 
-async def serve(a) -> None:
+async def serve(a, tls: TLSConfig | None = None) -> None:
     cfg = PrefillConfig(
         page_size=a.page_size,
         kv_budget_bytes=a.kv_budget_mb * 2**20,
@@ -33,7 +35,7 @@ async def serve(a) -> None:
     )
     model = LoadedModel.load(a.checkpoint, progress=False)
     engine = PrefillEngine(model, cfg)
-    server, port, health, servicer = await create_server(engine, f"{a.host}:{a.port}")
+    server, port, health, servicer = await create_server(engine, f"{a.host}:{a.port}", tls)
     if a.metrics_port is not None:
         servicer.metrics.serve(a.metrics_port)
     address = advertised_address(a, port)
@@ -79,5 +81,10 @@ def main(a) -> int:
     from megaserve.logs import configure
 
     configure()
-    asyncio.run(serve(a))
+    try:
+        tls = TLSConfig.from_args(a)  # before the model loads: a bad TLS file fails at once
+    except TLSConfigError as e:
+        print(f"megaserve prefill-worker: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    asyncio.run(serve(a, tls))
     return 0

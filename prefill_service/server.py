@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 from decode_service.server import sampling_from_proto
 from megaserve.errors import RequestError
 from megaserve.rpc import kv_transfer_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from megaserve.security import TLSConfig, add_port, aio_channel
 from prefill_service import kv_sender
 from prefill_service.engine import PoolFull, PrefillEngine
 
@@ -63,8 +64,9 @@ class PrefillMetrics:
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
-    def __init__(self, engine: PrefillEngine):
+    def __init__(self, engine: PrefillEngine, tls: TLSConfig | None = None):
         self.engine = engine
+        self.tls = tls  # KV pushes to decode workers go over mTLS with this cert when set
         self.metrics = PrefillMetrics(engine.model.name)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.bytes_sent = 0
@@ -72,8 +74,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     def _stub(self, address: str):
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(
-                address, options=[("grpc.max_send_message_length", 64 << 20)]
+            self._channels[address] = aio_channel(
+                address, self.tls, [("grpc.max_send_message_length", 64 << 20)]
             )
         return kv_transfer_pb2_grpc.KVTransferStub(self._channels[address])
 
@@ -184,17 +186,22 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         )
 
 
-async def create_server(engine: PrefillEngine, address: str = "127.0.0.1:0"):
-    """Builds and starts the server; returns (server, port, health servicer, servicer)."""
+async def create_server(
+    engine: PrefillEngine, address: str = "127.0.0.1:0", tls: TLSConfig | None = None
+):
+    """Builds and starts the server; returns (server, port, health servicer, servicer).
+
+    With `tls`: the port serves TLS (mTLS when tls.ca is set) and KV pushes present tls.cert.
+    """
     server = grpc.aio.server()
-    servicer = PrefillServicer(engine)
+    servicer = PrefillServicer(engine, tls)
     prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(address)
+    port = add_port(server, address, tls)
     await server.start()
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

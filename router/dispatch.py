@@ -77,6 +77,7 @@ class Dispatcher:
             )
         )
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._background: set[asyncio.Task] = set()
         self.stats = {"migrations": 0, "retries": 0, "disaggregated": 0, "colocated": 0}
 
     def channel(self, address: str) -> grpc.aio.Channel:
@@ -251,8 +252,10 @@ class Dispatcher:
         d.inflight += 1
         d.inflight_pages += pages
         call = None
+        reserved = answered = False
         try:
             if prefillers:
+                reserved = True  # from here a reservation may exist on d until Generate attaches
                 p = self._choose("prefill", prefillers, RouteRequest(prompt, None, remaining))
                 await self._prefill_into(d, p, rid, prompt, job, len(generated), deadline)
                 self.stats["disaggregated"] += 1
@@ -261,6 +264,7 @@ class Dispatcher:
             call = dec.Generate(req, timeout=self._timeout(deadline))
             try:
                 async for r in call:
+                    answered = True
                     yield Chunk(
                         list(r.token_ids),
                         _FINISH.get(r.finish_reason),
@@ -274,6 +278,22 @@ class Dispatcher:
             d.inflight_pages -= pages
             if call is not None and not call.done():
                 call.cancel()  # the client left or a stop string matched: free the pages now
+            if reserved and not answered:
+                # Cancelled (or failed) between Reserve and the first token: the decode worker
+                # may hold the reservation, KV included. Free it now, even while cancelled.
+                self._spawn(self._release(d, rid))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _release(self, d: WorkerView, rid: str) -> None:
+        dec = decode_pb2_grpc.DecodeStub(self.channel(d.address))
+        try:
+            await dec.Release(decode_pb2.ReleaseRequest(request_id=rid), timeout=5.0)
+        except grpc.aio.AioRpcError:
+            pass  # NOT_FOUND: already attached, finished or freed; UNAVAILABLE: worker gone
 
     async def _prefill_into(
         self, d: WorkerView, p: WorkerView, rid: str, prompt, job: Job, resumed: int, deadline
@@ -313,10 +333,7 @@ class Dispatcher:
             p.expect_blocks(prompt)
             self.breakers.success(p.id)
         except (grpc.aio.AioRpcError, RouterError) as e:
-            try:  # give the pages back now rather than at lease expiry
-                await dec.Release(decode_pb2.ReleaseRequest(request_id=rid), timeout=2.0)
-            except grpc.aio.AioRpcError:
-                pass
+            await self._release(d, rid)  # give the pages back now rather than at lease expiry
             if isinstance(e, RouterError):
                 raise
             if "decode worker refused the KV" in (e.details() or ""):

@@ -21,6 +21,10 @@ from router.stop_strings import StopStringMatcher
 ROLES = ("system", "user", "assistant", "tool")
 MAX_REQUEST_ID = 256
 MAX_STOP_TOKEN_IDS = 64
+# Text beyond this is refused before tokenizing (no context is this long; caps the work):
+# CHARS_PER_TOKEN_MAX characters per context token, or MAX_PROMPT_CHARS if no context is known.
+MAX_PROMPT_CHARS = 4_000_000
+CHARS_PER_TOKEN_MAX = 32
 
 
 class RouterError(Exception):
@@ -73,17 +77,23 @@ def chat_messages(chat: pb.Chat) -> list[dict]:
     return out
 
 
-def prompt_ids(req, model: TokenizerInfo) -> list[int]:
+def prompt_ids(req, model: TokenizerInfo, max_context: int | None = None) -> list[int]:
     """Token ids of the request's input (text, chat or ids)."""
     kind = req.WhichOneof("input")
+    limit = CHARS_PER_TOKEN_MAX * max_context if max_context else MAX_PROMPT_CHARS
     tok = model.tokenizer
     if kind is None:
         raise invalid("no input: set one of prompt, prompt_token_ids, chat")
     if kind == "prompt":
         if not req.prompt:
             raise invalid("prompt is empty")
+        if len(req.prompt) > limit:
+            raise invalid(f"prompt is {len(req.prompt)} characters; at most {limit} here")
         ids = tok.encode(req.prompt)
     elif kind == "chat":
+        total = sum(len(m.content) for m in req.chat.messages)
+        if total > limit:
+            raise invalid(f"chat is {total} characters; at most {limit} here")
         try:
             ids = tok.encode_chat(chat_messages(req.chat))
         except (ValueError, jinja2.TemplateError) as e:  # e.g. roles out of order, no template
@@ -140,7 +150,7 @@ def parse_generate(
     if len(req.request_id) > MAX_REQUEST_ID:
         raise invalid(f"request_id is {len(req.request_id)} chars; at most {MAX_REQUEST_ID}")
     model = resolve_model(req.model, models)
-    ids = prompt_ids(req, model)
+    ids = prompt_ids(req, model, max_context)
     s = sampling(req.sampling)
     st = req.stopping
     if st.max_tokens < 0:

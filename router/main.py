@@ -8,11 +8,23 @@ import signal
 import structlog
 
 from megaserve.checkpoint import load_tokenizer
+from megaserve.security import (
+    TOKEN_ENV,
+    BearerTokenInterceptor,
+    TLSConfig,
+    TLSConfigError,
+    add_tls_arguments,
+    channel_factory,
+    load_token,
+    read_ca,
+)
 from router.config import RouterConfig
 from router.server import create_server
 from router.state import ClusterState
 
 log = structlog.get_logger("megaserve.router")
+# The options of the Dispatcher's default (plaintext) worker channels.
+WORKER_CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20)]
 
 
 def add_arguments(p) -> None:
@@ -26,6 +38,19 @@ def add_arguments(p) -> None:
         help="a model to serve (its tokenizer is loaded here; workers run the weights); "
         "NAME=SPEC names it. Repeatable. Default: smollm2",
     )
+    # TLS: --tls-cert/--tls-key serve the public endpoint over TLS and are the router's client
+    # certificate towards the workers; --tls-ca verifies the workers (mTLS between tiers).
+    add_tls_arguments(p, server_role="public gRPC endpoint")
+    p.add_argument(
+        "--public-client-ca",
+        help="PEM CA: the public endpoint also requires client certificates signed by it "
+        "(default: TLS without client certificates)",
+    )
+    p.add_argument(
+        "--api-token-file",
+        help=f"bearer token clients must send (authorization: Bearer ...); default: "
+        f"${TOKEN_ENV} when set, else no token (health checks never need it)",
+    )
 
 
 def load_models(specs: list[str] | None) -> dict:
@@ -37,13 +62,43 @@ def load_models(specs: list[str] | None) -> dict:
     return out
 
 
+def security_from_args(a):
+    """(tier TLS config, public server credentials, interceptors); TLSConfigError if bad."""
+    tls = TLSConfig.from_args(a)
+    if a.public_client_ca and tls is None:
+        raise TLSConfigError("--public-client-ca needs --tls-cert and --tls-key")
+    client_ca = read_ca(a.public_client_ca, "--public-client-ca") if a.public_client_ca else None
+    creds = tls.server_credentials(client_ca) if tls else None
+    token = load_token(a.api_token_file)
+    if token and tls is None:
+        log.warning("the API token travels in plaintext: serve TLS (--tls-cert/--tls-key)")
+    return tls, creds, [BearerTokenInterceptor(token)] if token else []
+
+
 async def serve(a) -> None:
+    tls, creds, interceptors = security_from_args(a)
     cfg = RouterConfig.from_yaml(a.config) if a.config else RouterConfig()
     models = load_models(a.checkpoint)
     state = ClusterState(a.redis_url, cfg.state_refresh_ms / 1000, cfg.session_ttl_s)
-    server, port, health, servicer = await create_server(models, state, cfg, f"{a.host}:{a.port}")
+    server, port, health, servicer = await create_server(
+        models,
+        state,
+        cfg,
+        f"{a.host}:{a.port}",
+        creds,
+        interceptors,
+        channel_factory(tls, WORKER_CHANNEL_OPTIONS) if tls else None,  # mTLS to the workers
+    )
     print(f"READY router {servicer.router_id} grpc={a.host}:{port}", flush=True)
-    log.info("serving", port=port, models=sorted(models), redis=a.redis_url)
+    log.info(
+        "serving",
+        port=port,
+        models=sorted(models),
+        redis=a.redis_url,
+        tls=tls is not None,
+        mtls_to_workers=bool(tls and tls.ca),
+        token=bool(interceptors),
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

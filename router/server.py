@@ -4,12 +4,14 @@ health and reflection. Text in, validation, placement, tokens and text out.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
 
 import grpc
 import structlog
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -32,6 +34,48 @@ _FINISH = {
 }
 # An in-flight id is held in Redis at most this long (a crashed router's ids expire).
 INFLIGHT_TTL_S = 3600.0
+
+
+class BadMessage:
+    """A request whose bytes did not parse (e.g. invalid UTF-8 in a string field)."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+def _lenient(cls):
+    """Deserializer that turns a parse error into BadMessage (answered INVALID_ARGUMENT)
+    instead of gRPC's generic UNKNOWN."""
+
+    def parse(data: bytes):
+        try:
+            return cls.FromString(data)
+        except DecodeError as e:
+            return BadMessage(f"malformed {cls.DESCRIPTOR.full_name}: {e}")
+
+    return parse
+
+
+def add_generation_servicer(servicer, server) -> None:
+    """Like the generated add_GenerationServicer_to_server, with lenient request parsing."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate,
+            request_deserializer=_lenient(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString,
+        ),
+        "Tokenize": grpc.unary_unary_rpc_method_handler(
+            servicer.Tokenize,
+            request_deserializer=_lenient(pb.TokenizeRequest),
+            response_serializer=pb.TokenizeResponse.SerializeToString,
+        ),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            servicer.ListModels,
+            request_deserializer=_lenient(pb.ListModelsRequest),
+            response_serializer=pb.ListModelsResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
 
 
 class TextStream:
@@ -59,10 +103,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         state: ClusterState,
         cfg: RouterConfig,
         router_id: str | None = None,
+        channel_factory=None,
     ):
         self.models, self.state, self.cfg = models, state, cfg
         self.router_id = router_id or f"router-{uuid.uuid4().hex[:8]}"
-        self.dispatcher = Dispatcher(state, cfg)
+        self.dispatcher = Dispatcher(state, cfg, channel_factory)
         self.requests = 0
 
     def max_context(self, model: str) -> int | None:
@@ -70,6 +115,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return min(ctx) if ctx else None
 
     async def Generate(self, request, context):  # noqa: N802 (gRPC method name)
+        if isinstance(request, BadMessage):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         arrived = time.monotonic()
         left = context.time_remaining()
         deadline = None if left is None else arrived + left
@@ -77,7 +124,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if deadline is not None and left <= 0:
                 raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline already expired")
             model = resolve_model(request.model, self.models)
-            job = parse_generate(
+            # Tokenizing long text takes a while: off the event loop, other streams flow on.
+            job = await asyncio.to_thread(
+                parse_generate,
                 request,
                 self.models,
                 self.max_context(model.name),
@@ -125,6 +174,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await self.state.release(job.request_id)
 
     async def Tokenize(self, request, context):  # noqa: N802
+        if isinstance(request, BadMessage):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
             model = resolve_model(request.model, self.models)
             kind = request.WhichOneof("input")
@@ -142,6 +193,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
 
     async def ListModels(self, request, context):  # noqa: N802
+        if isinstance(request, BadMessage):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         out = []
         for name, m in sorted(self.models.items()):
             out.append(
@@ -163,11 +216,14 @@ async def create_server(
     address: str = "127.0.0.1:0",
     server_credentials: grpc.ServerCredentials | None = None,
     interceptors=(),
+    channel_factory=None,
 ):
-    """Starts the router's server; returns (server, port, health servicer, servicer)."""
+    """Starts the router's server; returns (server, port, health servicer, servicer).
+
+    channel_factory(address) makes the channels to workers (mTLS between tiers)."""
     server = grpc.aio.server(interceptors=list(interceptors))
-    servicer = GenerationServicer(models, state, cfg)
-    pb_grpc.add_GenerationServicer_to_server(servicer, server)
+    servicer = GenerationServicer(models, state, cfg, channel_factory=channel_factory)
+    add_generation_servicer(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
