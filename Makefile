@@ -15,7 +15,7 @@ $(REF): requirements-ref.txt
 ref-env: $(REF)
 
 run: $(VENV)
-	.venv/bin/megaserve generate --checkpoint smollm2 --chat "What is the capital of France?"
+	.venv/bin/megaserve serve
 
 lint: $(VENV)
 	.venv/bin/ruff check .

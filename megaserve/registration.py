@@ -111,7 +111,8 @@ class Heartbeat:
 
     def stop(self, deregister: bool = True) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
         if deregister:
             try:
                 w = self.info()

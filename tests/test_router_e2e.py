@@ -367,3 +367,59 @@ def test_duplicate_in_flight_request_id(stack, reference):
     assert ids == gen.generate(prompt, 60, SamplingParams(), ignore_eos=True).token_ids
     assert _code(addr, model=MODEL, request_id="dup-1", **IDS)[0] == grpc.StatusCode.OK
     _pools_idle(st)
+
+
+def test_two_routers_share_sessions_and_request_ids(stack):
+    """A second router on the same Redis: a duplicate id in flight on r1 is refused by r2, and
+    a session started on r1 continues on r2 where its KV is."""
+    st, addr1, ck, _ = stack
+    r2 = st.router("r2", "--config", str(ck.parent / "lb.yaml"))
+    r2.wait_ready()
+    addr2 = r2.address
+    try:
+        import time
+
+        for _ in range(100):  # until r2's view has every worker
+            with grpc.insecure_channel(addr2) as ch:
+                m = pbg.GenerationStub(ch).ListModels(pb.ListModelsRequest()).models
+            if m and m[0].decode_workers == 2:
+                break
+            time.sleep(0.1)
+        with grpc.insecure_channel(addr1) as ch:
+            first = pbg.GenerationStub(ch).Generate(
+                pb.GenerateRequest(
+                    model=MODEL,
+                    request_id="shared-id",
+                    prompt_token_ids=pb.TokenIds(ids=list(range(4, 30))),
+                    stopping=pb.StoppingParams(max_tokens=80, ignore_eos=True),
+                ),
+                timeout=120,
+            )
+            next(first)
+            got, details = _code(addr2, model=MODEL, request_id="shared-id", **IDS)
+            assert got == grpc.StatusCode.ALREADY_EXISTS, details
+            assert sum(len(r.token_ids) for r in first) == 79
+        turn1 = [{"role": "user", "content": LONG + " two routers"}]
+        _, text1, _ = _generate(
+            addr1,
+            chat=pb.Chat(messages=[pb.ChatMessage(**m) for m in turn1]),
+            stopping=pb.StoppingParams(max_tokens=6, ignore_eos=True),
+            session_id="sess-2r",
+        )
+        holder = redis.Redis.from_url(st.redis_url).hget("megaserve:session:sess-2r", "worker_id")
+        before = _stats(st.procs[holder.decode()].address)
+        turn2 = turn1 + [
+            {"role": "assistant", "content": text1},
+            {"role": "user", "content": "more"},
+        ]
+        _, _, out2 = _generate(
+            addr2,
+            chat=pb.Chat(messages=[pb.ChatMessage(**m) for m in turn2]),
+            stopping=pb.StoppingParams(max_tokens=4, ignore_eos=True),
+            session_id="sess-2r",
+        )
+        after = _stats(st.procs[holder.decode()].address)
+        assert after.requests == before.requests + 1  # r2 sent turn 2 to the session's worker
+        assert out2[-1].usage.cached_tokens > 0
+    finally:
+        r2.stop()

@@ -1,0 +1,63 @@
+"""Workers publish their cached prefix blocks to Redis as pages are stored and evicted."""
+
+from __future__ import annotations
+
+import redis
+
+from decode_service.page_allocator import PageAllocator
+from megaserve.block_hash import block_hashes
+from megaserve.registration import Heartbeat
+from megaserve.state_keys import WorkerInfo, block_hex, worker_blocks_key
+
+
+def _info():
+    return WorkerInfo("w1", "decode", "127.0.0.1:1", "m", 4, 4, 0, 0, 4)
+
+
+def _members(r) -> set[str]:
+    return {m.decode() for m in r.smembers(worker_blocks_key("w1"))}
+
+
+def test_blocks_follow_register_and_evict(redis_server):
+    r = redis.Redis.from_url(redis_server.url)
+    alloc = PageAllocator(5, 4)  # 4 usable pages of 4 tokens
+    hb = Heartbeat(redis_server.url, _info, ttl=30, blocks=alloc)
+    hashes = block_hashes(list(range(16)), 4)  # 4 blocks
+    pages = alloc.allocate(4)
+    for p, h in zip(pages, hashes):
+        alloc.register(p, h)
+    hb.beat()
+    assert _members(r) == {block_hex(h) for h in hashes}
+    alloc.release(pages)  # cached (still published)
+    hb.beat()
+    assert len(_members(r)) == 4
+    fresh = alloc.allocate(2)  # evicts the two least recently used blocks
+    hb.beat()
+    assert _members(r) == {block_hex(h) for h in hashes[2:]}
+    # Redis loses everything (restart): the next beat after a failure rewrites the whole set.
+    r.flushall()
+    hb._resync_at = 0.0
+    hb.beat()
+    assert _members(r) == {block_hex(h) for h in hashes[2:]}
+    assert 0 < r.pttl(worker_blocks_key("w1")) <= 30_000
+    alloc.release(fresh)
+    hb.stop(deregister=True)
+    assert not r.exists(worker_blocks_key("w1"))
+
+
+def test_redis_down_then_back_resyncs(redis_server):
+    alloc = PageAllocator(9, 4)
+    hb = Heartbeat(redis_server.url, _info, ttl=30, blocks=alloc)
+    hb.beat()
+    redis_server.kill()
+    p = alloc.allocate(1)
+    alloc.register(p[0], 12345)
+    try:
+        hb.beat()
+        raise AssertionError("beat should fail while Redis is down")
+    except redis.RedisError:
+        pass
+    redis_server.start()
+    hb.beat()  # the failed beat's deltas are gone: this one rewrites the set
+    r = redis.Redis.from_url(redis_server.url)
+    assert _members(r) == {block_hex(12345)}
