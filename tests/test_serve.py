@@ -1,0 +1,92 @@
+"""`megaserve serve` (the README's run command): the stack comes up, answers, and SIGTERM
+stops every process it started (no orphans)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megaserve.launch import child_env
+from tests.conftest import REPO
+from tests.stack import make_chat_checkpoint
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process whose parent chain reaches pid (via /proc)."""
+    parents = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parents[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+    out, frontier = set(), {pid}
+    while frontier:
+        kids = {p for p, pp in parents.items() if pp in frontier}
+        out |= kids
+        frontier = kids
+    return out
+
+
+def _alive(pids: set[int]) -> set[int]:
+    alive = set()
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    alive.add(p)
+        except OSError:
+            pass
+    return alive
+
+
+def _serve(*args: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "megaserve.cli", "serve", "--port", "0", *args]
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def test_serve_answers_then_sigterm_stops_everything(tmp_path):
+    ck = make_chat_checkpoint(tmp_path / "ck")
+    p = _serve("--checkpoint", str(ck), "--kv-budget-mb", "8", "--max-context", "512")
+    lines, children = [], set()
+    try:
+        end = time.monotonic() + 240
+        while time.monotonic() < end:
+            line = p.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith("megaserve is serving"):
+                children = _descendants(p.pid)
+            if children and line.strip() and not line.startswith(("megaserve", ">", "router")):
+                break  # the demo answer streamed
+        assert children, "".join(lines)
+        assert len(children) >= 4, children  # redis, prefill, decode, router
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=60)
+        lines.append(out)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    text = "".join(lines)
+    assert p.returncode == 0, text
+    assert "stopped" in text
+    time.sleep(0.5)
+    assert not _alive(children), f"orphans: {_alive(children)}"
+
+
+@pytest.mark.slow
+def test_serve_smollm2_answers_the_readme_question():
+    p = _serve("--exit-after-demo")
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out
+    assert "megaserve is serving smollm2" in out
+    assert "Paris" in out, out[-2000:]
