@@ -1,0 +1,106 @@
+"""Repacks a family's per-layer weights into the megakernel's ring order (tiles in HBM)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from kernels.megakernel.plan import MegaPlan
+
+
+def _pad(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    out = np.zeros(shape, np.float32)
+    out[tuple(slice(0, n) for n in a.shape)] = a
+    return out
+
+
+def group_columns(plan: MegaPlan, g: int) -> np.ndarray:
+    """Columns of q (rows of o_proj) for query-head group g: heads h*G+g for each kv head h,
+    so the group's q row lines up lane for lane with a K/V page row [Hkv * D]."""
+    d, grp = plan.head_dim, plan.group
+    return np.concatenate([np.arange(d) + (h * grp + g) * d for h in range(plan.num_kv_heads)])
+
+
+def pack_megakernel(plan: MegaPlan, params: dict) -> dict[str, Any]:
+    """Builds the ring arrays of `plan.hbm_shapes()` from `family.pack_params` output.
+
+    Args:
+      plan: the kernel plan.
+      params: per-layer params as kernels.llama.finish_params lays them out ([in, out]).
+    Returns:
+      dict of device arrays: ring_a, ring_b, vec, final_norm, embed (+ router, expert_gu,
+      expert_down for MoE models).
+    """
+    p = plan
+    dm, ta, dp, kv = p.hidden, p.ta, p.hidden_p, p.kv
+    q_size = p.num_heads * p.head_dim
+    a_tiles: list[np.ndarray] = []
+    b_tiles: list[np.ndarray] = []
+    vec = np.zeros((p.num_layers, p.vec_rows, p.vec_width), np.float32)
+    routers, egus, edowns = [], [], []
+    for li, lp in enumerate(params["layers"]):
+        f32 = {k: np.asarray(v, np.float32) for k, v in lp.items()}
+        wqkv, wo = f32["wqkv"], f32["wo"]
+        for g in range(p.group):
+            cols = group_columns(p, g)
+            a_tiles.append(_pad(wqkv[:, cols], (dm, ta)))
+            b_tiles.append(_pad(wo[cols, :], (ta, dp)))
+        a_tiles.append(_pad(wqkv[:, q_size : q_size + kv], (dm, ta)))
+        a_tiles.append(_pad(wqkv[:, q_size + kv :], (dm, ta)))
+        vec[li, 0, :dm] = f32["ln_attn"]
+        vec[li, 1, :dm] = f32["ln_mlp"]
+        if p.qk_norm:
+            vec[li, 2, :kv] = np.tile(f32["q_norm"], p.num_kv_heads)
+            vec[li, 3, :kv] = np.tile(f32["k_norm"], p.num_kv_heads)
+        if p.is_moe[li]:
+            e, i = p.num_experts, p.moe_inter_p
+            routers.append(_pad(f32["router"], (dm, p.experts_p)))
+            wgu, wdn = f32["w_gate_up"], f32["w_down"]  # [E, D, 2I], [E, I, D]
+            half = wgu.shape[2] // 2
+            gu = np.zeros((e, 2, dm, i), np.float32)
+            gu[:, 0, :, :half], gu[:, 1, :, :half] = wgu[..., :half], wgu[..., half:]
+            egus.append(gu)
+            edowns.append(_pad(wdn, (e, i, dp)))
+            continue
+        wgu, wdn = f32["w_gate_up"], f32["w_down"]  # [D, 2F], [F, D]
+        f = wgu.shape[1] // 2
+        fp = p.ffn_tiles * ta
+        gate, up, down = _pad(wgu[:, :f], (dm, fp)), _pad(wgu[:, f:], (dm, fp)), _pad(wdn, (fp, dp))
+        for t in range(p.ffn_tiles):
+            cols = slice(t * ta, (t + 1) * ta)
+            a_tiles += [gate[:, cols], up[:, cols]]
+            b_tiles.append(down[cols])
+    lm = _pad(np.asarray(params["lm_head"], np.float32), (dm, p.vocab_tiles * ta))
+    a_tiles += [lm[:, t * ta : (t + 1) * ta] for t in range(p.vocab_tiles)]
+    assert len(a_tiles) == p.n_a and len(b_tiles) == p.n_b, (len(a_tiles), p.n_a)
+    wd = p.weight_dtype
+    out = {
+        "ring_a": jnp.asarray(np.stack(a_tiles), wd),
+        "ring_b": jnp.asarray(np.stack(b_tiles), wd),
+        "vec": jnp.asarray(vec),
+        "final_norm": jnp.asarray(_pad(np.asarray(params["final_norm"])[None], (1, dp))),
+        "embed": jnp.asarray(params["embed"], wd),
+        "inv_freq": params["inv_freq"],
+        "rope_scale": params["rope_scale"],
+    }
+    if p.moe_layers:
+        out["router"] = jnp.asarray(np.stack(routers))
+        out["expert_gu"] = jnp.asarray(np.stack(egus), wd)
+        out["expert_down"] = jnp.asarray(np.stack(edowns), wd)
+    for name, (shape, _) in p.hbm_shapes().items():
+        assert out[name].shape == shape, (name, out[name].shape, shape)
+    return out
+
+
+def abstract_params(plan: MegaPlan) -> dict[str, Any]:
+    """ShapeDtypeStructs of `pack_megakernel`'s output, for AOT compilation at real shapes."""
+    import jax
+
+    out = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in plan.hbm_shapes().items()}
+    out["final_norm"] = jax.ShapeDtypeStruct((1, plan.hidden_p), jnp.float32)
+    out["embed"] = jax.ShapeDtypeStruct((plan.vocab, plan.hidden), plan.weight_dtype)
+    out["inv_freq"] = jax.ShapeDtypeStruct((plan.head_dim // 2,), jnp.float32)
+    out["rope_scale"] = jax.ShapeDtypeStruct((), jnp.float32)
+    return out

@@ -1,0 +1,309 @@
+"""Static shape plan of the decode megakernel: tiles, ring depths, scratch shapes, VMEM budget."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+# Usable VMEM per TensorCore on TPU v7 (tpu7x): the AOT compiler refuses scratch beyond
+# 64 MiB (`RESOURCE_EXHAUSTED ... size=67108864`, PLATFORM.md). Plans leave `VMEM_HEADROOM`
+# for Mosaic's own internal scratch and the matmul temporaries it spills.
+VMEM_BYTES = 64 * 2**20
+VMEM_HEADROOM = 8 * 2**20
+LANES = 128
+
+
+def round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def padded_bytes(shape: tuple[int, ...], dtype: Any) -> int:
+    """Bytes a VMEM buffer really occupies: last dim padded to 128 lanes, the one before to
+    the sublane tile (8 rows of 32 bits: 8 for f32/i32, 16 for bf16)."""
+    item = np.dtype(dtype).itemsize
+    if len(shape) == 1:
+        shape = (1, *shape)
+    sub = 8 * max(1, 4 // item)
+    lead = int(np.prod(shape[:-2], dtype=np.int64))
+    return lead * round_up(shape[-2], sub) * round_up(shape[-1], LANES) * item
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """One scratch buffer of the kernel; `space` is vmem, smem or sem (DMA semaphores)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: Any
+    space: str = "vmem"
+
+    @property
+    def vmem_bytes(self) -> int:
+        return padded_bytes(self.shape, self.dtype) if self.space == "vmem" else 0
+
+
+@dataclass(frozen=True)
+class MegaPlan:
+    """Every static size the kernel, the weight packer and the DMA accounting share.
+
+    Weights are streamed as tiles of two shapes through two rings, each stored in HBM in the
+    exact order the kernel consumes them (so one ring runs from layer 0 through lm_head):
+      ring A, [hidden, ta]: per layer the q tiles (one per query-head group g: the heads
+        h*G+g of every kv head h, which makes q lane-aligned with the K/V pages), k, v, then
+        gate/up tiles of the dense MLP; after the last layer the lm_head vocab tiles.
+      ring B, [ta, hidden_p]: per layer the o_proj row tiles (one per group), then the
+        down_proj row tiles.
+    """
+
+    num_layers: int
+    hidden: int  # D of the model
+    hidden_p: int  # D padded to lanes: the residual stream is f32[B, hidden_p]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    kv: int  # Hkv * head_dim: lanes of one K/V row in a page
+    ta: int  # tile width of ring A = rows of ring B = kv padded to lanes
+    ffn_tiles: int  # dense MLP gate (and up, and down) tiles per layer
+    vocab: int
+    vocab_tiles: int
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool
+    moe_inter_p: int  # expert intermediate size padded to lanes
+    qk_norm: bool
+    eps: float
+    batch: int
+    page_size: int
+    pages_per_seq: int
+    depth_a: int = 3
+    depth_b: int = 2
+    depth_kv: int = 4
+    depth_e: int = 2
+    weight_dtype: Any = jnp.bfloat16
+    kv_dtype: Any = jnp.bfloat16
+    act_dtype: Any = jnp.bfloat16  # matmul input dtype; float32 = exactness mode for tests
+    emit_logits: bool = True
+    count_dmas: bool = False
+
+    # -- derived sizes --------------------------------------------------------------------
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def experts_p(self) -> int:
+        return round_up(max(self.num_experts, 1), LANES)
+
+    @property
+    def is_moe(self) -> tuple[bool, ...]:
+        return tuple(i in self.moe_layers for i in range(self.num_layers))
+
+    @property
+    def segments(self) -> tuple[tuple[bool, int, int], ...]:
+        """(is_moe, first layer, count) runs of consecutive layers of one kind."""
+        out: list[list] = []
+        for i, m in enumerate(self.is_moe):
+            if out and out[-1][0] == m:
+                out[-1][2] += 1
+            else:
+                out.append([m, i, 1])
+        return tuple(tuple(s) for s in out)
+
+    def a_per_layer(self, moe: bool) -> int:
+        return self.group + 2 + (0 if moe else 2 * self.ffn_tiles)
+
+    def b_per_layer(self, moe: bool) -> int:
+        return self.group + (0 if moe else self.ffn_tiles)
+
+    def a_base(self, layer: int) -> int:
+        return sum(self.a_per_layer(m) for m in self.is_moe[:layer])
+
+    def b_base(self, layer: int) -> int:
+        return sum(self.b_per_layer(m) for m in self.is_moe[:layer])
+
+    def moe_index(self, layer: int) -> int:
+        return sum(self.is_moe[:layer])
+
+    @property
+    def lm_base(self) -> int:
+        return self.a_base(self.num_layers)
+
+    @property
+    def n_a(self) -> int:
+        return self.lm_base + self.vocab_tiles
+
+    @property
+    def n_b(self) -> int:
+        return self.b_base(self.num_layers)
+
+    @property
+    def vec_rows(self) -> int:
+        return 8  # ln_attn, ln_mlp, q_norm, k_norm; padded to the f32 sublane tile
+
+    @property
+    def vec_width(self) -> int:
+        return max(self.hidden_p, self.ta)
+
+    @property
+    def max_items(self) -> int:
+        return self.batch * self.pages_per_seq
+
+    # -- HBM arrays the packer builds (shape, dtype): also what the accounting counts -----
+    def hbm_shapes(self) -> dict[str, tuple[tuple[int, ...], Any]]:
+        wd = self.weight_dtype
+        out = {
+            "ring_a": ((self.n_a, self.hidden, self.ta), wd),
+            "ring_b": ((self.n_b, self.ta, self.hidden_p), wd),
+            "vec": ((self.num_layers, self.vec_rows, self.vec_width), jnp.float32),
+        }
+        if self.moe_layers:
+            lm, e, d, i = len(self.moe_layers), self.num_experts, self.hidden, self.moe_inter_p
+            # The router stays float32: top-k decisions flip on bf16-rounded logits.
+            out["router"] = ((lm, d, self.experts_p), jnp.float32)
+            out["expert_gu"] = ((lm, e, 2, d, i), wd)
+            out["expert_down"] = ((lm, e, i, self.hidden_p), wd)
+        return out
+
+    # -- scratch: the single source for the kernel's allocation and the VMEM budget --------
+    def scratch(self) -> list[Scratch]:
+        b, g, kv, ta, dp, wd = (
+            self.batch,
+            self.group,
+            self.kv,
+            self.ta,
+            self.hidden_p,
+            self.weight_dtype,
+        )
+        ps = self.page_size
+        s = [
+            Scratch("ring_a", (self.depth_a, self.hidden, ta), wd),
+            Scratch("sem_a", (self.depth_a,), None, "sem"),
+            Scratch("ring_b", (self.depth_b, ta, dp), wd),
+            Scratch("sem_b", (self.depth_b,), None, "sem"),
+            Scratch("vec", (2, self.vec_rows, self.vec_width), jnp.float32),
+            Scratch("sem_vec", (2,), None, "sem"),
+            Scratch("kbuf", (self.depth_kv, ps, kv), self.kv_dtype),
+            Scratch("vbuf", (self.depth_kv, ps, kv), self.kv_dtype),
+            Scratch("sem_kv", (self.depth_kv, 2), None, "sem"),
+            Scratch("kw", (b, ps, kv), self.kv_dtype),
+            Scratch("vw", (b, ps, kv), self.kv_dtype),
+            Scratch("sem_w", (b, 2), None, "sem"),
+            Scratch("h", (b, dp), jnp.float32),
+            Scratch("q", (b, g, 1, kv), jnp.float32),
+            Scratch("knew", (b, 1, kv), jnp.float32),
+            Scratch("vnew", (b, 1, kv), jnp.float32),
+            Scratch("m", (b, g, 1, LANES), jnp.float32),
+            Scratch("l", (b, g, 1, LANES), jnp.float32),
+            Scratch("acc", (b, g, 1, kv), jnp.float32),
+            Scratch("attn", (g, b, ta), jnp.float32),
+            Scratch("seg", (kv, LANES), jnp.float32),
+            Scratch("seg_t", (LANES, kv), jnp.float32),
+        ]
+        if self.moe_layers:
+            ep, i = self.experts_p, self.moe_inter_p
+            s += [
+                Scratch("router", (2, self.hidden, ep), jnp.float32),
+                Scratch("sem_router", (2,), None, "sem"),
+                Scratch("egu", (self.depth_e, 2, self.hidden, i), wd),
+                Scratch("edown", (self.depth_e, i, dp), wd),
+                Scratch("sem_e", (self.depth_e, 2), None, "sem"),
+                Scratch("coef", (b, ep), jnp.float32),
+                Scratch("used_v", (1, ep), jnp.int32),
+                Scratch("used_s", (1, ep), jnp.int32, "smem"),
+                Scratch("elist", (ep,), jnp.int32, "smem"),
+                Scratch("sem_used", (1,), None, "sem"),
+            ]
+        return s
+
+    def io_vmem(self) -> list[tuple[tuple[int, ...], Any]]:
+        """VMEM-resident kernel inputs and outputs (whole-array blocks)."""
+        b = self.batch
+        out = [
+            ((b, self.hidden_p), jnp.float32),  # h0
+            ((b, self.ta), jnp.float32),  # cos
+            ((b, self.ta), jnp.float32),  # sin
+            ((1, self.hidden_p), jnp.float32),  # final norm
+            ((b, LANES), jnp.int32),  # greedy tokens
+        ]
+        if self.emit_logits:
+            out.append(((self.vocab_tiles, b, self.ta), jnp.float32))
+        return out
+
+    def vmem_bytes(self) -> int:
+        """VMEM the kernel allocates: scratch plus whole-array VMEM operands, tile-padded."""
+        scratch = sum(s.vmem_bytes for s in self.scratch())
+        return scratch + sum(padded_bytes(sh, dt) for sh, dt in self.io_vmem())
+
+    def vmem_breakdown(self) -> dict[str, int]:
+        return {s.name: s.vmem_bytes for s in self.scratch() if s.vmem_bytes}
+
+
+def make_plan(
+    cfg: Any,
+    batch: int,
+    page_size: int,
+    pages_per_seq: int,
+    *,
+    vmem_budget: int = VMEM_BYTES - VMEM_HEADROOM,
+    **overrides,
+) -> MegaPlan:
+    """Builds the plan for a model config and step shape, shrinking ring depths to fit VMEM.
+
+    Raises:
+      ValueError naming the config field the kernel does not implement, or when even the
+      shallowest rings exceed `vmem_budget`.
+    """
+    for field in ("qkv_bias", "o_bias"):
+        if getattr(cfg, field, False):
+            raise ValueError(f"megakernel: {field}=True is not implemented yet")
+    hd = cfg.head_dim
+    if hd & (hd - 1) or hd < 2:
+        raise ValueError(f"megakernel: head_dim={hd} must be a power of two (RoPE lane masks)")
+    if page_size % 8:
+        raise ValueError(f"megakernel: page_size={page_size} must be a multiple of 8 (sublanes)")
+    kv = cfg.num_kv_heads * hd
+    ta = round_up(kv, LANES)
+    moe_layers = tuple(getattr(cfg, "moe_layers", ()))
+    dense_f = cfg.intermediate_size if len(moe_layers) < cfg.num_layers else 0
+    plan = MegaPlan(
+        num_layers=cfg.num_layers,
+        hidden=cfg.hidden_size,
+        hidden_p=round_up(cfg.hidden_size, LANES),
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=hd,
+        kv=kv,
+        ta=ta,
+        ffn_tiles=-(-dense_f // ta),
+        vocab=cfg.vocab_size,
+        vocab_tiles=-(-cfg.vocab_size // ta),
+        moe_layers=moe_layers,
+        num_experts=getattr(cfg, "num_experts", 0),
+        top_k=getattr(cfg, "top_k", 0),
+        norm_topk_prob=getattr(cfg, "norm_topk_prob", False),
+        moe_inter_p=round_up(getattr(cfg, "moe_intermediate_size", 0) or 1, LANES),
+        qk_norm=cfg.qk_norm,
+        eps=cfg.rms_norm_eps,
+        batch=batch,
+        page_size=page_size,
+        pages_per_seq=pages_per_seq,
+    )
+    plan = replace(plan, **overrides)
+    if plan.num_experts > LANES * 8:
+        raise ValueError(f"megakernel: num_experts={plan.num_experts} > {LANES * 8}")
+    # Shrink the deepest ring first until the allocation fits; depth 2 keeps one load in
+    # flight per ring while the other slot is consumed, depth 1 would serialise the stream.
+    while plan.vmem_bytes() > vmem_budget:
+        depths = {"depth_a": plan.depth_a, "depth_b": plan.depth_b, "depth_kv": plan.depth_kv}
+        name = max(depths, key=lambda k: (depths[k], k == "depth_a"))
+        if depths[name] <= 2:
+            raise ValueError(
+                f"megakernel plan needs {plan.vmem_bytes() / 2**20:.1f} MiB VMEM even with "
+                f"depth-2 rings (budget {vmem_budget / 2**20:.1f} MiB): {plan.vmem_breakdown()}"
+            )
+        plan = replace(plan, **{name: depths[name] - 1})
+    return plan

@@ -1,0 +1,93 @@
+"""The `pallas` decode backend: XlaRunner's interface, each decode step one megakernel call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels.megakernel.pack import pack_megakernel
+from kernels.megakernel.plan import MegaPlan, make_plan
+from kernels.megakernel.step import megakernel_step
+from kernels.xla_step import SamplingArrays, XlaRunner, _pick, bucket
+
+
+def _pallas_decode(plan: MegaPlan, interpret: bool, mparams, k, v, tok, pos, pt, s):
+    toks, logits, k, v, _ = megakernel_step(plan, mparams, k, v, tok, pos, pt, interpret)
+    # Greedy rows keep the kernel's in-kernel argmax; sampled or penalized rows are picked
+    # from the kernel's logits in XLA (the same `_pick` as the XLA backend).
+    if "counts" in s:
+        nxt = _pick(logits, s, pos + 1)
+    else:
+        nxt = jnp.where(s["temperature"] > 0, _pick(logits, s, pos + 1), toks)
+    return nxt, logits, k, v
+
+
+@dataclass
+class MegakernelRunner(XlaRunner):
+    """Prefill stays the XLA program; decode runs the megakernel (interpreted off TPU).
+
+    The pool keeps the decode tier's [L, pages, page_size, Hkv, D] arrays: the kernel views
+    them as [.., Hkv * D], which is free on CPU (see `megakernel_step` for TPU).
+    """
+
+    interpret: bool | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.interpret is None:
+            self.interpret = jax.default_backend() != "tpu"
+        self.kv_dtype = self.pool.k.dtype
+        base = make_plan(self.cfg, 1, self.pool.page_size, 1, kv_dtype=self.kv_dtype)
+        self.mparams = pack_megakernel(base, self.params)
+        self._pallas: dict[tuple[int, int], Any] = {}
+
+    def plan_for(self, batch: int, pages: int) -> MegaPlan:
+        return make_plan(self.cfg, batch, self.pool.page_size, pages, kv_dtype=self.kv_dtype)
+
+    def decode(
+        self,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        page_table: np.ndarray,
+        sampling: SamplingArrays,
+        n_steps: int | None = None,
+        want_logits: bool = False,
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """As `XlaRunner.decode`; n_steps > 1 runs one kernel call per step."""
+        n_steps = n_steps or self.step_cfg.steps_per_call
+        n = tokens.shape[0]
+        b = bucket(n, self.step_cfg.batch_buckets, "batch")
+        tok = np.zeros(b, np.int32)
+        pos = np.full(b, -1, np.int32)
+        tok[:n], pos[:n] = tokens, positions
+        pt = self._pad_table(page_table, b)
+        key = (b, pt.shape[1])
+        if key not in self._pallas:
+            plan = self.plan_for(*key)
+            self._pallas[key] = jax.jit(
+                partial(_pallas_decode, plan, self.interpret), donate_argnums=(1, 2)
+            )
+        self.program_keys.add(("pallas_decode", *key, sampling.counts is not None))
+        s = sampling.padded(b)
+        rows = np.arange(b)
+        out_t, out_l = [], []
+        for _ in range(n_steps):
+            nxt, logits, self.pool.k, self.pool.v = self._pallas[key](
+                self.mparams, self.pool.k, self.pool.v, tok, pos, pt, s
+            )
+            nxt = np.asarray(nxt)
+            out_t.append(nxt[:n])
+            if want_logits:
+                out_l.append(np.asarray(logits)[:n])
+            if "counts" in s:
+                s = s | {"counts": s["counts"].copy(), "seen": s["seen"].copy()}
+                s["counts"][rows, nxt] += 1
+                s["seen"][rows, nxt] = True
+            tok = nxt.astype(np.int32)
+            pos = np.where(pos >= 0, pos + 1, -1).astype(np.int32)
+        return np.stack(out_t), (np.stack(out_l) if want_logits else None)

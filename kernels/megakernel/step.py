@@ -1,0 +1,183 @@
+"""The megakernel decode step and its reference twin (same signature and returns)."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels.megakernel import kernel as K
+from kernels.megakernel.plan import VMEM_BYTES, VMEM_HEADROOM, MegaPlan
+
+
+def step_inputs(plan: MegaPlan, mparams: dict, tokens, positions, page_table) -> dict[str, Any]:
+    """Host-side (XLA) preparation: embedding rows, RoPE lane tables, write slots, page items.
+
+    Args:
+      tokens: i32[B] last token of each row; positions: i32[B] its position, -1 = padding;
+      page_table: i32[B, P] pages of each row (null page 0 as padding).
+    Returns:
+      dict of the kernel's scalar-prefetch and VMEM inputs, keyed by kernel operand name.
+    """
+    p = plan
+    b, pages = page_table.shape
+    if b != p.batch or pages != p.pages_per_seq:
+        raise ValueError(
+            f"page_table shape {page_table.shape} != plan ({p.batch}, {p.pages_per_seq})"
+        )
+    valid = positions >= 0
+    safe = jnp.where(valid, positions, 0)
+    h0 = jnp.take(mparams["embed"], tokens, axis=0).astype(jnp.float32)
+    h0 = jnp.pad(h0, ((0, 0), (0, p.hidden_p - p.hidden)))
+    # RoPE per lane of a [Hkv * D] row (HF half layout repeated per head; padding lanes 0).
+    lane = jnp.arange(p.ta)
+    freq = mparams["inv_freq"][(lane % p.head_dim) % (p.head_dim // 2)]
+    ang = safe.astype(jnp.float32)[:, None] * freq[None]
+    keep = (lane < p.kv)[None]
+    cos = jnp.where(keep, jnp.cos(ang) * mparams["rope_scale"], 0.0)
+    sin = jnp.where(keep, jnp.sin(ang) * mparams["rope_scale"], 0.0)
+    ps = p.page_size
+    wlast = safe // ps
+    wpage = jnp.where(valid, jnp.take_along_axis(page_table, wlast[:, None], axis=1)[:, 0], 0)
+    # Pages each row reads: those holding a token before its position (the new token's own
+    # K/V comes from VMEM), flattened row-major into one list so prefetch crosses rows.
+    n_read = jnp.where(valid, (safe + ps - 1) // ps, 0)
+    j = jnp.arange(pages)[None]
+    mask = j < n_read[:, None]
+    slot = jnp.where(mask, jnp.cumsum(mask.reshape(-1)).reshape(b, pages) - 1, b * pages)
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, pages))
+
+    def flat(values):
+        out = jnp.zeros(b * pages, jnp.int32)
+        return out.at[slot.reshape(-1)].set(values.reshape(-1).astype(jnp.int32), mode="drop")
+
+    return {
+        "pos": positions.astype(jnp.int32),
+        "wpage": wpage.astype(jnp.int32),
+        "wslot": (safe % ps).astype(jnp.int32),
+        "wlast": wlast.astype(jnp.int32),
+        "it_seq": flat(rows),
+        "it_page": flat(page_table),
+        "it_idx": flat(jnp.broadcast_to(j, (b, pages))),
+        "meta": jnp.sum(n_read, keepdims=True).astype(jnp.int32),
+        "h0": h0,
+        "cos": cos.astype(jnp.float32),
+        "sin": sin.astype(jnp.float32),
+        "final_norm": mparams["final_norm"],
+    }
+
+
+def _pallas_call(plan: MegaPlan, interpret: bool):
+    p = plan
+    vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
+    smem = pl.BlockSpec(memory_space=pltpu.SMEM)
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    ins = K.input_names(p)
+    outs = K.output_names(p)
+    in_specs = [hbm if n.endswith("_hbm") else vmem for n in ins]
+    out_specs = [{"tokens": vmem, "logits": vmem, "dma_count_out": smem}.get(n, hbm) for n in outs]
+    scratch = []
+    for s in p.scratch():
+        if s.space == "sem":
+            scratch.append(pltpu.SemaphoreType.DMA(s.shape))
+        elif s.space == "smem":
+            scratch.append(pltpu.SMEM(s.shape, s.dtype))
+        else:
+            scratch.append(pltpu.VMEM(s.shape, s.dtype))
+    n_scalar = len(K.SCALARS)
+    aliases = {
+        n_scalar + ins.index("k_hbm"): outs.index("k_out"),
+        n_scalar + ins.index("v_hbm"): outs.index("v_out"),
+    }
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=n_scalar,
+        grid=(),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        scratch_shapes=scratch,
+    )
+    return partial(
+        pl.pallas_call,
+        partial(K.kernel_body, p),
+        grid_spec=grid_spec,
+        input_output_aliases=aliases,
+        compiler_params=pltpu.CompilerParams(
+            vmem_limit_bytes=min(p.vmem_bytes() + VMEM_HEADROOM, VMEM_BYTES)
+        ),
+        interpret=pltpu.InterpretParams() if interpret else False,
+    )
+
+
+def megakernel_step(
+    plan: MegaPlan,
+    mparams: dict,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    tokens: jax.Array,
+    positions: jax.Array,
+    page_table: jax.Array,
+    interpret: bool = False,
+):
+    """One decode step of every row through the megakernel.
+
+    Args:
+      plan: static plan (batch and page-table width included).
+      mparams: `pack_megakernel` output.
+      k_cache, v_cache: [L, num_pages, page_size, Hkv * D] pools in the kernel's KV dtype
+        (or [.., Hkv, D], viewed as that); donate them under jit: the kernel writes each
+        row's new K/V into its page in place.
+      tokens: i32[B]; positions: i32[B] (-1 = padding row); page_table: i32[B, P].
+      interpret: run under the TPU interpreter (CPU tests).
+    Returns:
+      (i32[B] greedy tokens, f32[B, V] logits or None, k_cache, v_cache, i32[8] DMA bytes by
+      kind (`kernel.DMA_KINDS`) or None).
+    """
+    p = plan
+    nl, n_pages, ps = k_cache.shape[:3]
+    # The kernel's pool layout is [L, pages, page_size, Hkv * D]: one page is one DMA block.
+    # A 5-D pool is viewed that way; free on CPU, but on TPU the two layouts tile
+    # differently and XLA re-lays out the whole pool, so TPU runners keep the 4-D layout.
+    k4 = k_cache.reshape(nl, n_pages, ps, p.kv)
+    v4 = v_cache.reshape(nl, n_pages, ps, p.kv)
+    inp = step_inputs(p, mparams, tokens, positions, page_table)
+    hbm = {f"{n}_hbm": mparams[n] for n in ("ring_a", "ring_b", "vec")}
+    if p.moe_layers:
+        hbm |= {f"{n}_hbm": mparams[n] for n in ("router", "expert_gu", "expert_down")}
+    args = inp | hbm | {"k_hbm": k4, "v_hbm": v4}
+    out_shape = {
+        "tokens": jax.ShapeDtypeStruct((p.batch, 128), jnp.int32),
+        "logits": jax.ShapeDtypeStruct((p.vocab_tiles, p.batch, p.ta), jnp.float32),
+        "k_out": jax.ShapeDtypeStruct(k4.shape, k4.dtype),
+        "v_out": jax.ShapeDtypeStruct(v4.shape, v4.dtype),
+        "dma_count_out": jax.ShapeDtypeStruct((8,), jnp.int32),
+    }
+    outs = K.output_names(p)
+    call = _pallas_call(p, interpret)(out_shape=[out_shape[n] for n in outs])
+    res = dict(zip(outs, call(*[args[n] for n in K.SCALARS + tuple(K.input_names(p))])))
+    logits = None
+    if p.emit_logits:
+        logits = res["logits"].transpose(1, 0, 2).reshape(p.batch, -1)[:, : p.vocab]
+    return (
+        res["tokens"][:, 0],
+        logits,
+        res["k_out"].reshape(k_cache.shape),
+        res["v_out"].reshape(v_cache.shape),
+        res.get("dma_count_out"),
+    )
+
+
+def reference_step(family, cfg, params, k_cache, v_cache, tokens, positions, page_table):
+    """The XLA/reference decode step with the megakernel's signature and returns.
+
+    Returns:
+      (i32[B] greedy tokens, f32[B, V] logits, k_cache, v_cache, None).
+    """
+    zeros = jnp.zeros(tokens.shape, jnp.int32)
+    logits, k, v = family.forward(
+        cfg, params, tokens[:, None], positions[:, None], k_cache, v_cache, page_table, zeros
+    )
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits, k, v, None
