@@ -1,5 +1,5 @@
 # Two entry points (see README): `make run` and `make test`. Both set everything up first.
-.PHONY: run test lint protos ref-env bench clean
+.PHONY: run test test-quick lint protos ref-env bench clean
 
 VENV := .venv/.bootstrapped
 REF := .venv-ref/.bootstrapped
@@ -23,6 +23,11 @@ lint: $(VENV)
 
 test: $(VENV) $(REF) lint
 	.venv/bin/python -m pytest
+
+# The default suite without the long cases (chaos, soak, real-shape TPU compiles, long
+# interpreter runs): what to run while developing.
+test-quick: $(VENV) lint
+	.venv/bin/python -m pytest -m "not slow and not tpu_compile"
 
 protos: $(VENV)
 	scripts/gen_protos.sh

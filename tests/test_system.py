@@ -295,6 +295,7 @@ def _run(addr, cases, concurrency=8, rid_prefix=""):
         return [f.result() for f in futs]
 
 
+@pytest.mark.slow
 def test_chaos_kill9_and_restart_workers(stack):
     st, addr, _ = stack
     cases = _workload(200)
@@ -374,6 +375,7 @@ def _rss_mb(pid: int) -> float:
     return 0.0
 
 
+@pytest.mark.slow
 def test_soak_memory_and_pool_flat(stack):
     """Steady concurrency for SOAK_S seconds: RSS per process and KV usage stay flat."""
     st, addr, _ = stack
