@@ -296,6 +296,12 @@ def _run(addr, cases, concurrency=8, rid_prefix=""):
 
 
 @pytest.mark.slow
+def _timed_ready(p, out: list) -> None:
+    t = time.monotonic()
+    p.wait_ready()
+    out.append(time.monotonic() - t)
+
+
 def test_chaos_kill9_and_restart_workers(stack):
     st, addr, _ = stack
     cases = _workload(200)
@@ -319,13 +325,7 @@ def test_chaos_kill9_and_restart_workers(stack):
             kills.append((time.monotonic(), w))
             kind = "decode" if w in DECODE else "prefill"
             p = st.worker(kind, w)  # restart at once; it rejoins when ready
-            threading.Thread(
-                target=lambda p=p, t=time.monotonic(): (
-                    p.wait_ready(),
-                    restarts.append(time.monotonic() - t),
-                ),
-                daemon=True,
-            ).start()
+            threading.Thread(target=_timed_ready, args=(p, restarts), daemon=True).start()
 
     t = threading.Thread(target=chaos, daemon=True)
     t0 = time.monotonic()
