@@ -295,13 +295,13 @@ def _run(addr, cases, concurrency=8, rid_prefix=""):
         return [f.result() for f in futs]
 
 
-@pytest.mark.slow
 def _timed_ready(p, out: list) -> None:
     t = time.monotonic()
     p.wait_ready()
     out.append(time.monotonic() - t)
 
 
+@pytest.mark.slow
 def test_chaos_kill9_and_restart_workers(stack):
     st, addr, _ = stack
     cases = _workload(200)
