@@ -110,7 +110,9 @@ def _stats(addr: str) -> decode_pb2.StatsResponse:
         return decode_pb2_grpc.DecodeStub(ch).Stats(decode_pb2.StatsRequest(), timeout=10)
 
 
-def _warm(addr: str, vocab: int, lengths: list[int], max_tokens: int, suffix: int = 0) -> None:
+def _warm(
+    addr: str, vocab: int, lengths: list[int], max_tokens: int, suffix: int = 0, concurrency=1
+) -> None:
     """Compiles the shapes the run will use (a cold prompt, then the same prompt with a new
     `suffix`-token tail: the prefix-hit shape) with prompts that share nothing with the run."""
     rng = np.random.default_rng(12345)
@@ -129,6 +131,21 @@ def _warm(addr: str, vocab: int, lengths: list[int], max_tokens: int, suffix: in
                 )
                 for _ in stub.Generate(req, timeout=600):
                     pass
+    if concurrency > 1:  # the decode step compiles per batch bucket: run every size once
+        import concurrent.futures as cf
+
+        def one(j):
+            with grpc.insecure_channel(addr) as ch:
+                req = decode_pb2.GenerateRequest(
+                    request_id=f"warmb-{j}-{time.time_ns()}",
+                    prompt_token_ids=rng.integers(0, vocab, lengths[0]).tolist(),
+                    stopping=decode_pb2.StoppingParams(max_tokens=max_tokens * 4, ignore_eos=True),
+                )
+                for _ in decode_pb2_grpc.DecodeStub(ch).Generate(req, timeout=600):
+                    pass
+
+        with cf.ThreadPoolExecutor(concurrency) as ex:
+            list(ex.map(one, range(concurrency)))
 
 
 class BenchStack:
@@ -186,7 +203,14 @@ def bench_policies(
     for policy, n_routers in runs:
         with BenchStack(checkpoint, decode_workers, prefill_workers, worker_args, vocab) as st:
             for w in st.decoders:
-                _warm(w.address, vocab, [len(prompts[0][1])], wl.max_tokens, wl.user_tokens)
+                _warm(
+                    w.address,
+                    vocab,
+                    [len(prompts[0][1])],
+                    wl.max_tokens,
+                    wl.user_tokens,
+                    wl.concurrency,
+                )
             before = [_stats(w.address).requests for w in st.decoders]
             cfg = {"decode_policy": policy, **(router_config or {})}
             if prefill_workers == 0:
@@ -237,7 +261,7 @@ def bench_overhead(
     out = {}
     with BenchStack(checkpoint, 1, 0, worker_args, vocab) as st:
         d = st.decoders[0].address
-        _warm(d, vocab, [prompt_len] * 3, max_tokens)
+        _warm(d, vocab, [prompt_len] * 3, max_tokens, concurrency=concurrency)
         addrs = st.routers(2, {"disagg_min_uncached_tokens": 1 << 30})
 
         async def seq_direct():
