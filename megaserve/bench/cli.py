@@ -71,6 +71,30 @@ def add_bench(sub) -> None:
     rt.add_argument("--skip-overhead", action="store_true")
     rt.add_argument("--json-out")
     rt.set_defaults(func=cmd_bench_router)
+    se = bsub.add_parser(
+        "serve", help="closed-loop service load: disaggregated vs colocated through the router"
+    )
+    se.add_argument("--checkpoint", default="smollm2")
+    se.add_argument("--concurrency", default="1,2,4,8,16,32,64")
+    se.add_argument(
+        "--requests-per-level", type=int, help="default: max(16, 2 x concurrency), capped"
+    )
+    se.add_argument("--max-requests-per-level", type=int, default=64, help="the default's cap")
+    se.add_argument(
+        "--prompt-mix",
+        default="short:32-128:0.6,medium:256-512:0.3,long:1024-1536:0.1",
+        help="name:LO-HI:WEIGHT,... prompt tokens (log-uniform within a bin)",
+    )
+    se.add_argument("--output-lens", default="16-128", help="LO-HI new tokens (log-uniform)")
+    se.add_argument("--seed", type=int, default=0)
+    se.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    se.add_argument("--slo-itl-ms", type=float, default=200.0, help="on a request's mean ITL")
+    se.add_argument("--layouts", default="disaggregated,colocated")
+    se.add_argument("--max-context", type=int, default=2048)
+    se.add_argument("--kv-budget-mb", type=int, default=1536, help="per worker")
+    se.add_argument("--json-out")
+    se.add_argument("--plot", default=str(REPO / "docs" / "bench_serve.png"), help="PNG path")
+    se.set_defaults(func=cmd_bench_serve)
 
 
 def _peer_rows(a, gguf: Path, batches: list[int]) -> list[dict]:
@@ -299,3 +323,38 @@ def cmd_bench_router(a) -> int:
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(out, indent=2))
     return 0
+
+
+def cmd_bench_serve(a) -> int:
+    from megaserve.bench.serve import Mix, Settings, bench_serve, markdown_table, plot
+
+    s = Settings(
+        checkpoint=a.checkpoint,
+        concurrency=tuple(int(c) for c in a.concurrency.split(",")),
+        requests_per_level=a.requests_per_level,
+        max_requests=a.max_requests_per_level,
+        mix=Mix.parse(a.prompt_mix, a.output_lens, a.seed),
+        slo_ttft_ms=a.slo_ttft_ms,
+        slo_itl_ms=a.slo_itl_ms,
+        layouts=tuple(a.layouts.split(",")),
+        max_context=a.max_context,
+        kv_budget_mb=a.kv_budget_mb,
+    )
+    print(f"mix: {s.mix.describe()}")
+    print(f"SLO: TTFT <= {s.slo_ttft_ms:g} ms and mean ITL <= {s.slo_itl_ms:g} ms")
+    save = (lambda o: Path(a.json_out).write_text(json.dumps(o, indent=1))) if a.json_out else None
+    out = bench_serve(s, on_row=save)
+    print(markdown_table(out["rows"]))
+    print(f"runtime {out['runtime_s']:.0f} s")
+    if a.plot:
+        title = (
+            f"{a.checkpoint}: {s.mix.describe()}; goodput SLO: TTFT <= {s.slo_ttft_ms:g} ms "
+            f"and mean ITL <= {s.slo_itl_ms:g} ms"
+        )
+        print(f"plot: {plot(out['rows'], a.plot, title)}")
+    if save:
+        save(out)
+    errors = sum(r["errors"] for r in out["rows"])
+    if errors:
+        print(f"{errors} requests failed", file=sys.stderr)
+    return 1 if errors else 0
