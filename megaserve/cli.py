@@ -139,6 +139,10 @@ def _strip_eos(ids: list[int], eos: tuple[int, ...]) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if os.environ.pop("MEGASERVE_DIE_WITH_PARENT", None) == "1":
+        from megaserve.launch import die_with_parent
+
+        die_with_parent()
     parser = argparse.ArgumentParser(prog="megaserve", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     _add_generate(sub)

@@ -86,18 +86,29 @@ class RedisProcess:
     stop = kill
 
 
-def _die_with_parent() -> None:
-    """Linux: the child gets SIGTERM if the launcher dies (even by SIGKILL): no orphans."""
+def die_with_parent() -> None:
+    """Linux: this process gets SIGTERM when its launcher dies (even by SIGKILL): no orphans.
+
+    Called by the child itself at start (MEGASERVE_DIE_WITH_PARENT=1), not as a preexec_fn:
+    forking a threaded launcher (gRPC threads) with a preexec_fn can deadlock the child."""
+    parent = int(os.environ.get("MEGASERVE_PARENT_PID", "0"))
     try:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
-        pass
+        return
+    if parent and os.getppid() != parent:  # the launcher died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def child_env() -> dict[str, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # PR_SET_PDEATHSIG fires when the forking *thread* exits, so only children started from
+    # the main thread (serve, benches) use it; a helper thread's children would die with it.
+    if threading.current_thread() is threading.main_thread():
+        env["MEGASERVE_DIE_WITH_PARENT"] = "1"
+        env["MEGASERVE_PARENT_PID"] = str(os.getpid())
     env.setdefault("JAX_PLATFORMS", "cpu")
     # Every process shares one persistent compile cache: restarts start warm.
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(REPO / ".cache" / "jax"))
@@ -118,7 +129,6 @@ class Proc:
             cwd=REPO,
             env=child_env(),
             start_new_session=True,  # Ctrl-C goes to the launcher, which stops children in order
-            preexec_fn=_die_with_parent,
         )
         self._ready = threading.Event()
         self.ready_line = ""

@@ -28,7 +28,11 @@ def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("system")
     ck = make_chat_checkpoint(tmp / "ck")
     rs = RedisServer(tmp).start()
-    (tmp / "lb.yaml").write_text("disagg_min_uncached_tokens: 40\ncircuit_breaker_reset_s: 2.0\n")
+    # Patient retries: while a killed worker restarts, requests wait for the other one.
+    (tmp / "lb.yaml").write_text(
+        "disagg_min_uncached_tokens: 40\ncircuit_breaker_reset_s: 2.0\n"
+        "retry_max_attempts: 10\nretry_max_delay_ms: 2000\n"
+    )
     st = Stack(rs.url, ck)
     st.lb = str(tmp / "lb.yaml")
     try:
@@ -345,8 +349,9 @@ def test_chaos_kill9_and_restart_workers(stack):
         tokens_equal_report(a, b) for c, a, b in zip(cases, got, reference) if c[0] in mismatches
     ][:3]
     for w in (*DECODE, *PREFILL):
-        st.procs[w].wait_ready()
-    st.wait_registered([*DECODE, *PREFILL])
+        st.procs[w].wait_ready(timeout=600)  # slow restarts on a loaded machine
+    st.wait_registered([*DECODE, *PREFILL], timeout=120)
+    time.sleep(1.0)
     wait_pools_idle(st)
 
 
@@ -368,6 +373,8 @@ def test_redis_restart_mid_run(stack):
 
 
 def _rss_mb(pid: int) -> float:
+    if not os.path.exists(f"/proc/{pid}/status"):
+        raise AssertionError(f"process {pid} died during the soak")
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
