@@ -4,6 +4,7 @@ ChatML template) and a stack of real worker and router processes on one real Red
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from megaserve.launch import Cluster
@@ -56,6 +57,18 @@ class Stack(Cluster):
             "tiny-chat",
             ("--kv-budget-mb", "8", "--max-context", str(max_context), "--prefill-chunk", "64"),
         )
+
+    def up(self, decode: tuple[str, ...], prefill: tuple[str, ...], config: str):
+        """Starts the workers and router "r1" (config: a load-balancing YAML), waits until
+        every worker is registered and the router has refreshed its view; returns r1."""
+        ws = [self.worker("decode", w) for w in decode]
+        ws += [self.worker("prefill", w) for w in prefill]
+        router = self.router("r1", "--config", config)
+        for p in [*ws, router]:
+            p.wait_ready()
+        self.wait_registered([*decode, *prefill])
+        time.sleep(0.6)  # the router's view refreshes every 200 ms
+        return router
 
 
 def tokens_equal_report(a: list[int], b: list[int]) -> str:

@@ -32,11 +32,7 @@ def stack(tmp_path_factory):
     )
     st = Stack(rs.url, ck)
     try:
-        procs = [st.worker("decode", "d1"), st.worker("decode", "d2"), st.worker("prefill", "p1")]
-        router = st.router("r1", "--config", str(tmp / "lb.yaml"))
-        for p in [*procs, router]:
-            p.wait_ready()
-        st.wait_registered(["d1", "d2", "p1"])
+        router = st.up(("d1", "d2"), ("p1",), str(tmp / "lb.yaml"))
         with grpc.insecure_channel(router.address) as ch:
             grpc.channel_ready_future(ch).result(timeout=30)
             # The router's view refreshes every 200 ms; wait until it sees every worker.

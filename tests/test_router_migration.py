@@ -30,12 +30,7 @@ def stack(tmp_path):
     )
     st = Stack(rs.url, ck)
     try:
-        ws = [st.worker("decode", "d1"), st.worker("decode", "d2"), st.worker("prefill", "p1")]
-        router = st.router("r1", "--config", str(tmp_path / "lb.yaml"))
-        for p in [*ws, router]:
-            p.wait_ready()
-        st.wait_registered(["d1", "d2", "p1"])
-        time.sleep(0.6)  # the router's view refreshes every 200 ms
+        router = st.up(("d1", "d2"), ("p1",), str(tmp_path / "lb.yaml"))
         yield st, router.address, ck, rs
     finally:
         st.stop()

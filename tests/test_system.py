@@ -36,12 +36,7 @@ def stack(tmp_path_factory):
     st = Stack(rs.url, ck)
     st.lb = str(tmp / "lb.yaml")
     try:
-        ws = [st.worker("decode", w) for w in DECODE] + [st.worker("prefill", w) for w in PREFILL]
-        router = st.router("r1", "--config", st.lb)
-        for p in [*ws, router]:
-            p.wait_ready()
-        st.wait_registered([*DECODE, *PREFILL])
-        time.sleep(0.6)
+        router = st.up(DECODE, PREFILL, st.lb)
         yield st, router.address, rs
     finally:
         st.stop()
