@@ -49,8 +49,11 @@ def _sample_row(logits, temperature, top_k, top_p, min_p, seed, position):
     keep &= (jnp.cumsum(probs) - probs) < top_p
     keep &= probs >= min_p * probs[0]
     vals = jnp.where(keep, vals, -jnp.inf)
-    choice = jax.random.categorical(request_key(seed, position), vals)
-    return idx[choice]
+    # The noise is drawn per token id, not per rank: two near-equal logits whose order flips
+    # under float noise (another batch size, another worker) then swap nothing, and the draw
+    # changes only when the two best noisy scores tie within that noise.
+    scores = jnp.full((vocab,), -jnp.inf, vals.dtype).at[idx].set(vals)
+    return jax.random.categorical(request_key(seed, position), scores)
 
 
 def sample(

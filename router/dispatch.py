@@ -113,7 +113,7 @@ class Dispatcher:
         """Streams the job's tokens; raises RouterError when it cannot be completed."""
         generated: list[int] = []
         failed: set[str] = set()
-        attempts = migrations = 0
+        attempts = migrations = tries = 0
         session = await self.state.get_session(job.session_id) if job.session_id else None
         first = True
         while True:
@@ -130,9 +130,12 @@ class Dispatcher:
                 await self._backoff(attempts, deadline)
                 continue
             d = self._choose("decode", decoders, RouteRequest(prompt, session, job.max_tokens))
+            tries += 1
             try:
-                async for c in self._attempt(job, d, prompt, generated, failed, deadline, attempts):
+                async for c in self._attempt(job, d, prompt, generated, failed, deadline, tries):
                     generated += c.token_ids
+                    if self.breakers.is_open(d.id):
+                        self.breakers.success(d.id)  # it answers: a probe need not wait for the end
                     if first:
                         first = False
                     else:
@@ -220,9 +223,11 @@ class Dispatcher:
         return free  # all busy (or none): co-locate rather than queue behind them
 
     async def _attempt(
-        self, job: Job, d: WorkerView, prompt: list[int], generated, failed, deadline, attempt
+        self, job: Job, d: WorkerView, prompt: list[int], generated, failed, deadline, try_no
     ) -> AsyncIterator[Chunk]:
-        rid = f"{job.request_id}#{attempt}.{len(generated)}"  # fresh per attempt: no stale state
+        # Unique per try (a migration need not add tokens): a failed try's late Release, or its
+        # worker-side leftovers, can never touch the next try's request.
+        rid = f"{job.request_id}#{try_no}.{len(generated)}"
         remaining = job.max_tokens - len(generated)
         dec = decode_pb2_grpc.DecodeStub(self.channel(d.address))
         stopping = decode_pb2.StoppingParams(

@@ -4,6 +4,7 @@ ChatML template) and a stack of real worker and router processes on one real Red
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -50,13 +51,30 @@ def make_chat_checkpoint(d: Path, vocab: int = 384, seed: int = 3) -> Path:
 class Stack(Cluster):
     """The tiny chat model's workers and routers (small pools, a 512-token context)."""
 
-    def __init__(self, redis_url: str, checkpoint: Path, max_context: int = 512):
+    def __init__(
+        self, redis_url: str, checkpoint: Path, max_context: int = 512, log_dir: Path | None = None
+    ):
         super().__init__(
             redis_url,
             str(checkpoint),
             "tiny-chat",
             ("--kv-budget-mb", "8", "--max-context", str(max_context), "--prefill-chunk", "64"),
+            echo=self._log if log_dir else None,
         )
+        # Every process's output, restarts appended: what a failed system test is read from.
+        self.log_dir = log_dir
+        self._log_lock = threading.Lock()
+
+    def _log(self, name: str, line: str) -> None:
+        with self._log_lock, open(self.log_dir / f"{name}.log", "a") as f:
+            f.write(f"{time.monotonic():.3f} {line}")
+
+    def log_tails(self, n: int = 30) -> str:
+        """The last n lines of every process's log (for a failing test's report)."""
+        out = []
+        for f in sorted(self.log_dir.glob("*.log")) if self.log_dir else []:
+            out.append(f"--- {f.name}\n" + "".join(f.read_text().splitlines(True)[-n:]))
+        return "\n".join(out)
 
     def up(self, decode: tuple[str, ...], prefill: tuple[str, ...], config: str):
         """Starts the workers and router "r1" (config: a load-balancing YAML), waits until

@@ -33,7 +33,8 @@ def stack(tmp_path_factory):
         "disagg_min_uncached_tokens: 40\ncircuit_breaker_reset_s: 2.0\n"
         "retry_max_attempts: 10\nretry_max_delay_ms: 2000\n"
     )
-    st = Stack(rs.url, ck)
+    (tmp / "logs").mkdir()
+    st = Stack(rs.url, ck, log_dir=tmp / "logs")
     st.lb = str(tmp / "lb.yaml")
     try:
         router = st.up(DECODE, PREFILL, st.lb)
@@ -280,18 +281,30 @@ def _workload(n, seed=0):
     for i in range(n):
         prompt = [rng.randrange(3, 380) for _ in range(rng.randrange(8, 120))]
         seed_i = None if i % 2 else 1000 + i
-        cases.append((f"chaos-{i}", prompt, rng.randrange(64, 200), seed_i))
+        cases.append((f"chaos-{i}", prompt, rng.randrange(128, 380), seed_i))
     return cases
 
 
-def _run(addr, cases, concurrency=8, rid_prefix=""):
+def _run(st, addr, cases, concurrency=8, rid_prefix=""):
     def one(c):
         rid, prompt, n, seed = c
         return generate(addr, prompt, n, seed, rid=rid_prefix + rid, timeout=300)
 
     with cf.ThreadPoolExecutor(concurrency) as ex:
         futs = [ex.submit(one, c) for c in cases]
-        return [f.result() for f in futs]
+        try:
+            return [f.result() for f in futs]
+        except grpc.RpcError:
+            print(st.log_tails(60))  # shown with the failure: what every process last said
+            raise
+
+
+def _all_serving(st, timeout=600.0) -> None:
+    """Every worker (restarts included) ready and registered, the router's view refreshed."""
+    for w in (*DECODE, *PREFILL):
+        st.procs[w].wait_ready(timeout=timeout)
+    st.wait_registered([*DECODE, *PREFILL], timeout=120)
+    time.sleep(1.0)
 
 
 def _timed_ready(p, out: list) -> None:
@@ -304,7 +317,7 @@ def _timed_ready(p, out: list) -> None:
 def test_chaos_kill9_and_restart_workers(stack):
     st, addr, _ = stack
     cases = _workload(200)
-    reference = _run(addr, cases, rid_prefix="ref-")  # fault-free, same stack
+    reference = _run(st, addr, cases, rid_prefix="ref-")  # fault-free, same stack
     kills, restarts = [], []
     stop = threading.Event()
 
@@ -330,7 +343,7 @@ def test_chaos_kill9_and_restart_workers(stack):
     t0 = time.monotonic()
     t.start()
     try:
-        got = _run(addr, cases)
+        got = _run(st, addr, cases)
     finally:
         stop.set()
         t.join()
@@ -343,19 +356,17 @@ def test_chaos_kill9_and_restart_workers(stack):
     assert not mismatches, [
         tokens_equal_report(a, b) for c, a, b in zip(cases, got, reference) if c[0] in mismatches
     ][:3]
-    for w in (*DECODE, *PREFILL):
-        st.procs[w].wait_ready(timeout=600)  # slow restarts on a loaded machine
-    st.wait_registered([*DECODE, *PREFILL], timeout=120)
-    time.sleep(1.0)
+    _all_serving(st)  # slow restarts on a loaded machine
     wait_pools_idle(st)
 
 
 def test_redis_restart_mid_run(stack):
     st, addr, rs = stack
+    _all_serving(st)
     cases = _workload(80, seed=3)
-    reference = _run(addr, cases, rid_prefix="rref-")
+    reference = _run(st, addr, cases, rid_prefix="rref-")
     box = {}
-    t = threading.Thread(target=lambda: box.update(got=_run(addr, cases, rid_prefix="rr-")))
+    t = threading.Thread(target=lambda: box.update(got=_run(st, addr, cases, rid_prefix="rr-")))
     t.start()
     time.sleep(1.0)
     rs.kill()
@@ -381,6 +392,7 @@ def _rss_mb(pid: int) -> float:
 def test_soak_memory_and_pool_flat(stack):
     """Steady concurrency for SOAK_S seconds: RSS per process and KV usage stay flat."""
     st, addr, _ = stack
+    _all_serving(st)
     soak_s = float(os.environ.get("MEGASERVE_SOAK_S", "90"))
     stop = threading.Event()
     done = [0]

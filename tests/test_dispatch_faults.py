@@ -1,0 +1,154 @@
+"""Dispatcher retries against scripted in-process gRPC workers: faults at exact points of a
+request (a decode stream breaking after some tokens, a prefill failing on a migration) that
+real processes only hit by chance. Each try must be a fresh request id on the workers."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import grpc
+
+from megaserve.rpc import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from megaserve.state_keys import WorkerInfo
+from router.config import RouterConfig
+from router.dispatch import Dispatcher
+from router.frontend import Job
+from router.state import ClusterState, WorkerView
+
+PROMPT = list(range(3, 83))  # 80 tokens: over disagg_min_uncached_tokens, so prefill is used
+N = 12
+
+
+class ScriptedDecode(decode_pb2_grpc.DecodeServicer):
+    """Like a decode worker: Release frees a reservation or stops a running request by id.
+    The first Generate breaks after 3 tokens (the worker's stream fails)."""
+
+    def __init__(self, break_first: bool = True):
+        self.break_first = break_first
+        self.reserved, self.generated, self.released = [], [], []
+        self.live: dict[str, asyncio.Event] = {}
+
+    async def Reserve(self, req, ctx):
+        self.reserved.append(req.request_id)
+        return decode_pb2.ReserveResponse(cached_pages=0, total_pages=8, page_size=16)
+
+    async def Release(self, req, ctx):
+        self.released.append(req.request_id)
+        if req.request_id in self.live:
+            self.live[req.request_id].set()
+        return decode_pb2.ReleaseResponse()
+
+    async def Generate(self, req, ctx):
+        self.generated.append(req.request_id)
+        released = self.live[req.request_id] = asyncio.Event()
+        first_call = self.break_first and len(self.generated) == 1
+        try:
+            for i in range(req.stopping.max_tokens):
+                await asyncio.sleep(0.02)
+                if released.is_set():
+                    rid = req.request_id
+                    await ctx.abort(grpc.StatusCode.CANCELLED, f"request {rid!r} released")
+                if first_call and i == 3:
+                    await ctx.abort(grpc.StatusCode.UNAVAILABLE, "stream broke")
+                pos = req.resumed_tokens + i
+                last = i == req.stopping.max_tokens - 1
+                yield decode_pb2.GenerateResponse(
+                    token_ids=[100 + pos],
+                    finish_reason=decode_pb2.FINISH_REASON_LENGTH if last else 0,
+                )
+        finally:
+            self.live.pop(req.request_id, None)
+
+
+class ScriptedPrefill(prefill_pb2_grpc.PrefillServicer):
+    """Prefills fine except the second call (the one after the migration), which fails."""
+
+    def __init__(self):
+        self.calls = []
+
+    async def Prefill(self, req, ctx):
+        self.calls.append(req.request_id)
+        if len(self.calls) == 2:
+            await ctx.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker went away")
+        return prefill_pb2.PrefillResponse()
+
+
+def _view(worker_id: str, role: str, port: int) -> WorkerView:
+    info = WorkerInfo(worker_id, role, f"127.0.0.1:{port}", "m", 64, 64, 0, 0, 16, 512, 384)
+    return WorkerView(info)
+
+
+def _job(rid: str) -> Job:
+    return Job(rid, SimpleNamespace(name="m"), PROMPT, decode_pb2.SamplingParams(), N,
+               (), (), True, "")  # fmt: skip
+
+
+async def _collect(disp: Dispatcher, job: Job) -> list[int]:
+    return [t async for c in disp.run(job, deadline=None) for t in c.token_ids]
+
+
+async def _scenario():
+    decode, prefill = ScriptedDecode(), ScriptedPrefill()
+    server = grpc.aio.server()
+    decode_pb2_grpc.add_DecodeServicer_to_server(decode, server)
+    prefill_pb2_grpc.add_PrefillServicer_to_server(prefill, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    state = ClusterState(None)
+    state.workers = {"d": _view("d", "decode", port), "p": _view("p", "prefill", port)}
+    cfg = RouterConfig(disagg_min_uncached_tokens=16, retry_base_delay_ms=1.0)
+    disp = Dispatcher(state, cfg)
+    try:
+        tokens = await _collect(disp, _job("req"))
+        await asyncio.sleep(0.3)  # background Releases of failed tries land
+        return tokens, decode, prefill, disp
+    finally:
+        await disp.close()
+        await server.stop(None)
+
+
+def test_every_try_is_a_fresh_request_and_releases_only_touch_failed_tries():
+    tokens, decode, prefill, disp = asyncio.run(_scenario())
+    # Try 1 (disaggregated) streams 3 tokens and breaks; try 2's prefill fails: a migration
+    # with no new tokens; try 3 (co-located: the prompt is cached there now) completes. The
+    # client sees every position once, and a failed try's late Release cannot stop try 3.
+    assert tokens == [100 + i for i in range(N)], tokens
+    assert disp.stats["migrations"] == 2, disp.stats
+    assert len(prefill.calls) == 2 and decode.reserved == prefill.calls, decode.reserved
+    assert len(decode.generated) == 2, decode.generated  # try 2 never reached Generate
+    tries = [decode.reserved[0], decode.reserved[1], decode.generated[1]]
+    assert decode.generated[0] == tries[0] and len(set(tries)) == 3, tries
+    assert tries[1] in decode.released  # the failed prefill's reservation is freed
+    assert tries[2] not in decode.released, decode.released
+
+
+async def _probe_scenario():
+    decode = ScriptedDecode(break_first=False)
+    server = grpc.aio.server()
+    decode_pb2_grpc.add_DecodeServicer_to_server(decode, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    state = ClusterState(None)
+    state.workers = {"d": _view("d", "decode", port)}
+    cfg = RouterConfig(disagg_min_uncached_tokens=10_000, retry_max_attempts=3,
+                       retry_base_delay_ms=1.0, circuit_breaker_reset_s=0.05)  # fmt: skip
+    disp = Dispatcher(state, cfg)
+    for _ in range(cfg.circuit_breaker_failures):  # the worker had failed (it restarted)
+        disp.breakers.failure("d")
+    await asyncio.sleep(0.06)  # half-open: the next request is the probe
+    try:
+        probe = asyncio.create_task(_collect(disp, _job("probe")))
+        await asyncio.sleep(0.1)  # the probe has its first tokens, not its last (0.24 s)
+        other = await _collect(disp, _job("other"))
+        return await probe, other
+    finally:
+        await disp.close()
+        await server.stop(None)
+
+
+def test_a_probe_that_answers_closes_the_breaker_before_it_finishes():
+    """Only worker half-open: once the probe streams, other requests go there too, instead of
+    failing 'no healthy decode worker' while a long generation runs."""
+    probe, other = asyncio.run(_probe_scenario())
+    assert probe == other == [100 + i for i in range(N)]
