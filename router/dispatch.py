@@ -158,7 +158,11 @@ class Dispatcher:
                 if not busy:
                     self.breakers.failure(e.worker.id)
                 failed.add(e.worker.id)
-                if len(generated) > n_before or generated:
+                if len(generated) > n_before:
+                    # A stream that had delivered tokens broke: move it on at once (the client
+                    # is mid-stream). Failures placing the rest (a dead worker's Reserve, a
+                    # prefill) are retries below, with backoff, not further migrations.
+                    attempts = 0
                     migrations += 1
                     self.stats["migrations"] += 1
                     log.warning(
@@ -170,7 +174,7 @@ class Dispatcher:
                             f"request {job.request_id!r}: gave up after {migrations - 1} "
                             f"migrations; last failure: {e}",
                         ) from e
-                    continue  # at once: the client is mid-stream
+                    continue
                 attempts += 1
                 self.stats["retries"] += 1
                 if attempts >= self.cfg.retry_max_attempts:

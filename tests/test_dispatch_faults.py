@@ -110,11 +110,11 @@ async def _scenario():
 
 def test_every_try_is_a_fresh_request_and_releases_only_touch_failed_tries():
     tokens, decode, prefill, disp = asyncio.run(_scenario())
-    # Try 1 (disaggregated) streams 3 tokens and breaks; try 2's prefill fails: a migration
-    # with no new tokens; try 3 (co-located: the prompt is cached there now) completes. The
-    # client sees every position once, and a failed try's late Release cannot stop try 3.
+    # Try 1 (disaggregated) streams 3 tokens and breaks: a migration; try 2's prefill fails:
+    # a retry (no tokens flowed); try 3 (co-located: the prompt is cached there now)
+    # completes. The client sees every position once; try 2's late Release cannot stop try 3.
     assert tokens == [100 + i for i in range(N)], tokens
-    assert disp.stats["migrations"] == 2, disp.stats
+    assert disp.stats["migrations"] == 1 and disp.stats["retries"] == 1, disp.stats
     assert len(prefill.calls) == 2 and decode.reserved == prefill.calls, decode.reserved
     assert len(decode.generated) == 2, decode.generated  # try 2 never reached Generate
     tries = [decode.reserved[0], decode.reserved[1], decode.generated[1]]

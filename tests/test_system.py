@@ -28,10 +28,12 @@ def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("system")
     ck = make_chat_checkpoint(tmp / "ck")
     rs = RedisServer(tmp).start()
-    # Patient retries: while a killed worker restarts, requests wait for the other one.
+    # Patient retries: while a killed worker restarts, requests wait for the other one. The
+    # chaos kills a worker every few seconds, far above any real failure rate, so one long
+    # request can lose several decode workers: a migration budget to match.
     (tmp / "lb.yaml").write_text(
         "disagg_min_uncached_tokens: 40\ncircuit_breaker_reset_s: 2.0\n"
-        "retry_max_attempts: 10\nretry_max_delay_ms: 2000\n"
+        "retry_max_attempts: 10\nretry_max_delay_ms: 2000\nmax_migrations: 16\n"
     )
     (tmp / "logs").mkdir()
     st = Stack(rs.url, ck, log_dir=tmp / "logs")
