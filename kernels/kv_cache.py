@@ -16,6 +16,24 @@ def _write_pages(k, v, pages, k_new, v_new):
     return k.at[:, pages].set(k_new.astype(k.dtype)), v.at[:, pages].set(v_new.astype(v.dtype))
 
 
+@jax.jit
+def _read_pages(k, v, pages):
+    return k[:, pages], v[:, pages]
+
+
+def pow2_pieces(n: int) -> list[tuple[int, int]]:
+    """[0, n) as (start, size) pieces of power-of-two sizes, largest first.
+
+    Page copies run piece by piece, so any page count uses at most log2(n) + 1 compiled
+    shapes instead of one program per count (a new prompt length compiled mid-serving)."""
+    out, start = [], 0
+    for bit in reversed(range(max(n, 0).bit_length())):
+        if n & (1 << bit):
+            out.append((start, 1 << bit))
+            start += 1 << bit
+    return out
+
+
 @dataclass
 class KVPool:
     """K and V pages, f32/bf16[L, num_pages, page_size, Hkv, D]; page 0 is the null page.
@@ -60,7 +78,21 @@ class KVPool:
 
     def write_pages(self, pages: np.ndarray, k_new: np.ndarray, v_new: np.ndarray) -> None:
         """Writes whole pages (imported KV): k_new/v_new [L, len(pages), page_size, Hkv, D]."""
-        self.k, self.v = _write_pages(self.k, self.v, jnp.asarray(pages, jnp.int32), k_new, v_new)
+        pages = np.asarray(pages, np.int32)
+        for s, n in pow2_pieces(len(pages)):
+            self.k, self.v = _write_pages(
+                self.k, self.v, jnp.asarray(pages[s : s + n]), k_new[:, s : s + n],
+                v_new[:, s : s + n],
+            )  # fmt: skip
+
+    def read_pages(self, pages) -> list[tuple[int, jax.Array, jax.Array]]:
+        """K, V of `pages` as (offset, k, v) pieces, each [L, n, page_size, Hkv, D] on device;
+        offsets index into `pages`."""
+        pages = np.asarray(pages, np.int32)
+        return [
+            (s, *_read_pages(self.k, self.v, jnp.asarray(pages[s : s + n])))
+            for s, n in pow2_pieces(len(pages))
+        ]
 
     @staticmethod
     def pages_for_budget(budget_bytes: int, bytes_per_page: int) -> int:

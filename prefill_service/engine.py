@@ -190,8 +190,8 @@ class PrefillEngine:
             complete = len(job.pages) if finished else job.done // ps
             try:
                 if complete > job.sent:
-                    idx = np.asarray(job.pages[job.sent : complete], np.int32)
-                    job.on_pages(job.sent, self.pool.k[:, idx], self.pool.v[:, idx])
+                    for off, k, v in self.pool.read_pages(job.pages[job.sent : complete]):
+                        job.on_pages(job.sent + off, k, v)
                     job.sent = complete
             except Exception as e:
                 self._fail(job, e)

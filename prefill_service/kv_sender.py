@@ -16,8 +16,11 @@ MAX_CHUNK_BYTES = 4 << 20
 
 def extract_pages(pool: KVPool, pages: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """K, V of `pages` as host arrays [L, len(pages), page_size, Hkv, D]."""
-    idx = np.asarray(pages, np.int32)
-    return np.asarray(pool.k[:, idx]), np.asarray(pool.v[:, idx])
+    pieces = pool.read_pages(pages)
+    if not pieces:
+        empty = np.zeros((pool.k.shape[0], 0, *pool.k.shape[2:]), pool.k.dtype)
+        return empty, empty.copy()
+    return tuple(np.concatenate([np.asarray(p[i]) for p in pieces], axis=1) for i in (1, 2))
 
 
 def header(request_id: str, num_layers: int, first_page: int, num_pages: int, dtype: str):

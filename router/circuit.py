@@ -11,6 +11,7 @@ class _Breaker:
     failures: int = 0
     opened_at: float | None = None  # monotonic; None = closed
     probing: bool = False  # half-open: one request is testing the worker
+    probe_at: float = 0.0  # when that probe was sent (monotonic)
 
 
 class CircuitBreakers:
@@ -24,13 +25,25 @@ class CircuitBreakers:
         b = self._b.get(worker_id)
         if b is None or b.opened_at is None:
             return True
-        return time.monotonic() - b.opened_at >= self.reset_s and not b.probing
+        now = time.monotonic()
+        if now - b.opened_at < self.reset_s:
+            return False
+        # One probe at a time; one that never reports back (its try failed elsewhere, or the
+        # client left) stops blocking the worker after reset_s.
+        return not b.probing or now - b.probe_at >= self.reset_s
 
     def chosen(self, worker_id: str) -> None:
         """A request goes to worker_id; if its breaker is open, that request is the probe."""
         b = self._b.get(worker_id)
         if b is not None and b.opened_at is not None:
-            b.probing = True
+            b.probing, b.probe_at = True, time.monotonic()
+
+    def abandon(self, worker_id: str) -> None:
+        """The probe's try ended without a verdict on this worker (another worker failed, the
+        client left): the next request may probe at once."""
+        b = self._b.get(worker_id)
+        if b is not None:
+            b.probing = False
 
     def success(self, worker_id: str) -> None:
         self._b.pop(worker_id, None)

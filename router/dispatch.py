@@ -122,6 +122,7 @@ class Dispatcher:
             decoders = self._candidates("decode", job, failed)
             if not decoders:
                 attempts += 1
+                log.info("no decode worker available", request_id=job.request_id, attempt=attempts)
                 if attempts >= self.cfg.retry_max_attempts:
                     raise RouterError(
                         grpc.StatusCode.UNAVAILABLE,
@@ -283,6 +284,9 @@ class Dispatcher:
             except grpc.aio.AioRpcError as e:
                 raise self._fail(d, e, "decode stream") from e
         finally:
+            # A probe of d that ends here without a verdict must not block d; a failure of d
+            # recorded after this still reopens its breaker (its failure count stays).
+            self.breakers.abandon(d.id)
             d.inflight -= 1
             d.inflight_pages -= pages
             if call is not None and not call.done():
@@ -350,4 +354,5 @@ class Dispatcher:
                 raise WorkerFailed(d, f"KV hand-off: {e.details()}") from e
             raise self._fail(p, e, "prefill") from e
         finally:
+            self.breakers.abandon(p.id)  # no-op after a verdict; else the next may probe
             p.inflight -= 1

@@ -132,6 +132,23 @@ def test_circuit_breaker_opens_probes_and_closes():
     assert b.allows("w") and not b.is_open("w")
 
 
+def test_circuit_breaker_probe_without_a_verdict_does_not_block_forever():
+    b = CircuitBreakers(failures=1, reset_s=0.05)
+    b.failure("w")
+    time.sleep(0.06)
+    b.chosen("w")  # the probe's try then fails at another worker (a prefill)
+    assert not b.allows("w")
+    b.abandon("w")
+    assert b.allows("w")  # the next request probes at once
+    b.chosen("w")  # this probe's client vanishes: nothing is reported at all
+    assert not b.allows("w")
+    time.sleep(0.06)
+    assert b.allows("w")  # a silent probe stops blocking after reset_s
+    b.abandon("w")
+    b.failure("w")  # a failure after an abandon still reopens
+    assert not b.allows("w") and b.is_open("w")
+
+
 def test_kv_aware_beats_round_robin_on_shared_prefixes(tmp_path):
     """Real Redis, two decode workers, one then two routers, the tiny chat model."""
     from megaserve.bench.router import Workload, bench_policies

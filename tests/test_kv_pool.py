@@ -1,0 +1,45 @@
+"""KV pool page copies: exact for any page count, with a bounded number of compiled shapes."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kernels import kv_cache
+from kernels.kv_cache import KVPool, pow2_pieces
+
+
+def test_pow2_pieces_cover_exactly():
+    for n in range(0, 130):
+        pieces = pow2_pieces(n)
+        assert sum(size for _, size in pieces) == n
+        assert [s for s, _ in pieces] == list(np.cumsum([0] + [z for _, z in pieces])[:-1])
+        assert all(size & (size - 1) == 0 for _, size in pieces)
+
+
+def test_write_then_read_any_count_round_trips_and_compiles_few_shapes():
+    pool = KVPool.create(2, 80, 4, 2, 8)
+    rng = np.random.default_rng(0)
+    free = list(range(1, 80))
+    rng.shuffle(free)
+    written = {}
+    for n in (1, 3, 7, 12, 19, 37):  # 79 pages, scattered, every count different
+        pages, free = np.asarray(free[:n], np.int32), free[n:]
+        k = rng.normal(size=(2, n, 4, 2, 8)).astype(np.float32)
+        v = rng.normal(size=(2, n, 4, 2, 8)).astype(np.float32)
+        pool.write_pages(pages, k, v)
+        written.update({int(p): (k[:, i], v[:, i]) for i, p in enumerate(pages)})
+    pages = list(written)
+    rng.shuffle(pages)
+    flat = []  # (page, k, v) from two reads of 45 and 34 pages
+    for part in (pages[:45], pages[45:]):
+        for off, k, v in pool.read_pages(part):
+            for i in range(k.shape[1]):
+                flat.append((part[off + i], np.asarray(k[:, i]), np.asarray(v[:, i])))
+    assert len(flat) == len(written)
+    for p, k, v in flat:
+        np.testing.assert_array_equal(k, written[p][0])
+        np.testing.assert_array_equal(v, written[p][1])
+    assert np.all(np.asarray(pool.k[:, 0]) == 0)  # the null page is never written
+    # Six write counts and two read counts: pieces of 1, 2, 4, 8, 16 and 32 pages only.
+    assert kv_cache._write_pages._cache_size() <= 6
+    assert kv_cache._read_pages._cache_size() <= 6
