@@ -319,7 +319,8 @@ def _timed_ready(p, out: list) -> None:
 def test_chaos_kill9_and_restart_workers(stack):
     st, addr, _ = stack
     cases = _workload(200)
-    reference = _run(st, addr, cases, rid_prefix="ref-")  # fault-free, same stack
+    # Concurrency 4: the run outlasts several restarts, so kills keep coming.
+    reference = _run(st, addr, cases, concurrency=4, rid_prefix="ref-")  # fault-free
     kills, restarts = [], []
     stop = threading.Event()
 
@@ -345,7 +346,7 @@ def test_chaos_kill9_and_restart_workers(stack):
     t0 = time.monotonic()
     t.start()
     try:
-        got = _run(st, addr, cases)
+        got = _run(st, addr, cases, concurrency=4)
     finally:
         stop.set()
         t.join()
