@@ -200,6 +200,16 @@ class XlaRunner:
         out[: page_table.shape[0], : page_table.shape[1]] = page_table
         return out
 
+    def _pad_decode_batch(self, tokens: np.ndarray, positions: np.ndarray, page_table):
+        """i32[B] tokens/positions and i32[B, P] table padded to the batch and page buckets
+        (padding rows: token 0, position -1); returns (n, b, tok, pos, pt)."""
+        n = tokens.shape[0]
+        b = bucket(n, self.step_cfg.batch_buckets, "batch")
+        tok = np.zeros(b, np.int32)
+        pos = np.full(b, -1, np.int32)
+        tok[:n], pos[:n] = tokens, positions
+        return n, b, tok, pos, self._pad_table(page_table, b)
+
     def prefill(
         self,
         tokens: np.ndarray,
@@ -248,12 +258,7 @@ class XlaRunner:
           (i32[n_steps, B] sampled tokens, f32[n_steps, B, V] logits or None).
         """
         n_steps = n_steps or self.step_cfg.steps_per_call
-        n = tokens.shape[0]
-        b = bucket(n, self.step_cfg.batch_buckets, "batch")
-        tok = np.zeros(b, np.int32)
-        pos = np.full(b, -1, np.int32)
-        tok[:n], pos[:n] = tokens, positions
-        pt = self._pad_table(page_table, b)
+        n, b, tok, pos, pt = self._pad_decode_batch(tokens, positions, page_table)
         key = (n_steps, want_logits)
         if key not in self._decode:
             self._decode[key] = jax.jit(

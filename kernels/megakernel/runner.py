@@ -13,7 +13,7 @@ import numpy as np
 from kernels.megakernel.pack import pack_megakernel
 from kernels.megakernel.plan import MegaPlan, make_plan
 from kernels.megakernel.step import megakernel_step
-from kernels.xla_step import SamplingArrays, XlaRunner, _pick, bucket
+from kernels.xla_step import SamplingArrays, XlaRunner, _pick
 
 
 def _pallas_decode(plan: MegaPlan, interpret: bool, mparams, k, v, tok, pos, pt, s):
@@ -60,12 +60,7 @@ class MegakernelRunner(XlaRunner):
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """As `XlaRunner.decode`; n_steps > 1 runs one kernel call per step."""
         n_steps = n_steps or self.step_cfg.steps_per_call
-        n = tokens.shape[0]
-        b = bucket(n, self.step_cfg.batch_buckets, "batch")
-        tok = np.zeros(b, np.int32)
-        pos = np.full(b, -1, np.int32)
-        tok[:n], pos[:n] = tokens, positions
-        pt = self._pad_table(page_table, b)
+        n, b, tok, pos, pt = self._pad_decode_batch(tokens, positions, page_table)
         key = (b, pt.shape[1])
         if key not in self._pallas:
             plan = self.plan_for(*key)
