@@ -134,11 +134,14 @@ def _warm(
     if concurrency > 1:  # the decode step compiles per batch bucket: run every size once
         import concurrent.futures as cf
 
+        # Drawn here: a numpy Generator must not be shared by the worker threads.
+        burst = [rng.integers(0, vocab, lengths[0]).tolist() for _ in range(concurrency)]
+
         def one(j):
             with grpc.insecure_channel(addr) as ch:
                 req = decode_pb2.GenerateRequest(
                     request_id=f"warmb-{j}-{time.time_ns()}",
-                    prompt_token_ids=rng.integers(0, vocab, lengths[0]).tolist(),
+                    prompt_token_ids=burst[j],
                     stopping=decode_pb2.StoppingParams(max_tokens=max_tokens * 4, ignore_eos=True),
                 )
                 for _ in decode_pb2_grpc.DecodeStub(ch).Generate(req, timeout=600):
