@@ -178,6 +178,16 @@ class Proc:
         return self.p.returncode
 
 
+def worker_stats(address: str, timeout: float = 10.0):
+    """A decode worker's `Stats` (pool pages, running/waiting, prefill counters) over gRPC."""
+    import grpc
+
+    from megaserve.rpc import decode_pb2, decode_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        return decode_pb2_grpc.DecodeStub(ch).Stats(decode_pb2.StatsRequest(), timeout=timeout)
+
+
 def megaserve_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "megaserve.cli", *args]
 

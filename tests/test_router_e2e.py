@@ -9,9 +9,9 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from megaserve.checkpoint import load_tokenizer
+from megaserve.launch import worker_stats
 from megaserve.model import LoadedModel
 from megaserve.offline import OfflineGenerator
-from megaserve.rpc import decode_pb2, decode_pb2_grpc
 from megaserve.sampling_params import SamplingParams
 from megaserve.v1 import generation_pb2 as pb
 from megaserve.v1 import generation_pb2_grpc as pbg
@@ -139,11 +139,6 @@ def test_eos_and_stop_strings(stack, reference):
     assert text == full[: full.index(stop)]
 
 
-def _stats(addr):
-    with grpc.insecure_channel(addr) as ch:
-        return decode_pb2_grpc.DecodeStub(ch).Stats(decode_pb2.StatsRequest())
-
-
 def test_session_second_turn_prefills_only_the_suffix(stack):
     st, addr, ck, _ = stack
     tok = load_tokenizer(str(ck)).tokenizer
@@ -157,7 +152,7 @@ def test_session_second_turn_prefills_only_the_suffix(stack):
     r = redis.Redis.from_url(st.redis_url)
     holder = r.hget("megaserve:session:sess-1", "worker_id").decode()
     addr_of = {w: st.procs[w].address for w in ("d1", "d2")}
-    before = {w: _stats(a) for w, a in addr_of.items()}
+    before = {w: worker_stats(a) for w, a in addr_of.items()}
     turn2 = turn1 + [
         {"role": "assistant", "content": text1},
         {"role": "user", "content": "and then?"},
@@ -169,7 +164,7 @@ def test_session_second_turn_prefills_only_the_suffix(stack):
         stopping=pb.StoppingParams(max_tokens=4, ignore_eos=True),
         session_id="sess-1",
     )
-    after = {w: _stats(a) for w, a in addr_of.items()}
+    after = {w: worker_stats(a) for w, a in addr_of.items()}
     other = "d2" if holder == "d1" else "d1"
     assert after[other].prefill_tokens == before[other].prefill_tokens  # not placed there
     assert after[other].imported_requests == before[other].imported_requests
@@ -300,7 +295,7 @@ BAD = {
 
 def _pools_idle(st) -> None:
     for w in ("d1", "d2"):
-        s = _stats(st.procs[w].address)
+        s = worker_stats(st.procs[w].address)
         assert s.running == 0 and s.waiting == 0 and s.reserved == 0, (w, s)
         assert s.free_pages + s.cached_pages == s.total_pages, (w, s)
 
@@ -403,7 +398,7 @@ def test_two_routers_share_sessions_and_request_ids(stack):
             session_id="sess-2r",
         )
         holder = redis.Redis.from_url(st.redis_url).hget("megaserve:session:sess-2r", "worker_id")
-        before = _stats(st.procs[holder.decode()].address)
+        before = worker_stats(st.procs[holder.decode()].address)
         turn2 = turn1 + [
             {"role": "assistant", "content": text1},
             {"role": "user", "content": "more"},
@@ -414,7 +409,7 @@ def test_two_routers_share_sessions_and_request_ids(stack):
             stopping=pb.StoppingParams(max_tokens=4, ignore_eos=True),
             session_id="sess-2r",
         )
-        after = _stats(st.procs[holder.decode()].address)
+        after = worker_stats(st.procs[holder.decode()].address)
         assert after.requests == before.requests + 1  # r2 sent turn 2 to the session's worker
         assert out2[-1].usage.cached_tokens > 0
     finally:

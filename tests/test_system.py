@@ -13,7 +13,8 @@ import time
 import grpc
 import pytest
 
-from megaserve.rpc import decode_pb2, decode_pb2_grpc
+from megaserve.launch import worker_stats
+from megaserve.rpc import decode_pb2
 from megaserve.v1 import generation_pb2 as pb
 from megaserve.v1 import generation_pb2_grpc as pbg
 from tests.redis_server import RedisServer
@@ -46,16 +47,11 @@ def stack(tmp_path_factory):
         rs.kill()
 
 
-def _stats(addr) -> decode_pb2.StatsResponse:
-    with grpc.insecure_channel(addr) as ch:
-        return decode_pb2_grpc.DecodeStub(ch).Stats(decode_pb2.StatsRequest(), timeout=10)
-
-
 def wait_pools_idle(st, timeout=20.0) -> list[decode_pb2.StatsResponse]:
     """Every decode worker's pool fully free or cached, no request or reservation left."""
     end = time.monotonic() + timeout
     while True:
-        stats = [_stats(st.procs[w].address) for w in DECODE]
+        stats = [worker_stats(st.procs[w].address) for w in DECODE]
         ok = all(
             s.running == 0
             and s.waiting == 0
@@ -419,7 +415,7 @@ def test_soak_memory_and_pool_flat(stack):
         time.sleep(soak_s / 18)
         for n, p in st.procs.items():
             samples[n].append(_rss_mb(p.p.pid))
-        s = [_stats(st.procs[w].address) for w in DECODE]
+        s = [worker_stats(st.procs[w].address) for w in DECODE]
         usage.append(sum(x.total_pages - x.free_pages - x.cached_pages for x in s))
     stop.set()
     for t in threads:

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from megaserve.launch import Cluster, RedisProcess
+from megaserve.launch import Cluster, RedisProcess, worker_stats
 from megaserve.rpc import decode_pb2, decode_pb2_grpc
 from megaserve.v1 import generation_pb2 as pb
 from megaserve.v1 import generation_pb2_grpc as pbg
@@ -103,11 +103,6 @@ async def drive(addresses: list[str], prompts, wl: Workload, tag: str, sessions=
         "output_tok_s": sum(r["tokens"] for r in results) / wall,
         "wall_s": wall,
     }
-
-
-def _stats(addr: str) -> decode_pb2.StatsResponse:
-    with grpc.insecure_channel(addr) as ch:
-        return decode_pb2_grpc.DecodeStub(ch).Stats(decode_pb2.StatsRequest(), timeout=10)
 
 
 def _warm(
@@ -214,7 +209,7 @@ def bench_policies(
                     wl.user_tokens,
                     wl.concurrency,
                 )
-            before = [_stats(w.address).requests for w in st.decoders]
+            before = [worker_stats(w.address).requests for w in st.decoders]
             cfg = {"decode_policy": policy, **(router_config or {})}
             if prefill_workers == 0:
                 cfg["disagg_min_uncached_tokens"] = 1 << 30
@@ -228,7 +223,7 @@ def bench_policies(
                     sessions=policy == "session_affinity",
                 )
             )
-            share = [_stats(w.address).requests - b for w, b in zip(st.decoders, before)]
+            share = [worker_stats(w.address).requests - b for w, b in zip(st.decoders, before)]
             fair = len(prompts) / decode_workers
             row |= {
                 "policy": policy,
