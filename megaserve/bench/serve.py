@@ -25,8 +25,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from megaserve.bench.router import _pct, _stats
-from megaserve.launch import Cluster, RedisProcess
+from megaserve.bench.router import _pct
+from megaserve.launch import Cluster, RedisProcess, worker_stats
 from megaserve.v1 import generation_pb2 as pb
 from megaserve.v1 import generation_pb2_grpc as pbg
 
@@ -348,10 +348,10 @@ def bench_serve(s: Settings, log=print, on_row=None) -> dict:
             n = s.requests_at(c)
             reqs = s.mix.draw(n, vocab, c)  # the same requests for every layout at this level
             for lay in layouts:
-                before = _stats(lay.decode)
+                before = worker_stats(lay.decode)
                 c0, cs0 = lay.compiles.n, lay.compiles.seconds
                 results, wall = asyncio.run(closed_loop(lay.address, reqs, c, f"{lay.name}-{c}"))
-                after = _stats(lay.decode)
+                after = worker_stats(lay.decode)
                 row = {"layout": lay.name, "concurrency": c, **summarize(results, wall, s)}
                 row |= {
                     "via_prefill_tier": after.imported_requests - before.imported_requests,
