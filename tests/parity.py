@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
-from megaserve.cli import main as cli_main
 from megaserve.model import LoadedModel
 from megaserve.offline import OfflineGenerator
+from megaserve_app.cli import main as cli_main
 
 
 def rel_err(got: np.ndarray, ref: np.ndarray) -> float:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megaserve.launch import RedisProcess as RedisServer
-from megaserve.launch import free_port
+from megaserve_app.launch import RedisProcess as RedisServer
+from megaserve_app.launch import free_port
 
 __all__ = ["RedisServer", "free_port"]

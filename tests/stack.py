@@ -8,7 +8,7 @@ import threading
 import time
 from pathlib import Path
 
-from megaserve.launch import Cluster
+from megaserve_app.launch import Cluster
 from tests.conftest import random_tensors, tiny_llama_config
 
 CHATML = (

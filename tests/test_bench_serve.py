@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from megaserve.bench.serve import Mix, Settings, bench_serve, markdown_table, plot
+from megaserve_app.bench.serve import Mix, Settings, bench_serve, markdown_table, plot
 from tests.stack import make_chat_checkpoint
 
 

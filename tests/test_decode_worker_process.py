@@ -45,7 +45,7 @@ def _spawn(kind: str, worker_id: str, redis_url: str, *extra: str) -> subprocess
     cmd = [
         sys.executable,
         "-m",
-        "megaserve.cli",
+        "megaserve_app.cli",
         f"{kind}-worker",
         "--checkpoint",
         str(FIXTURES / "tiny" / "llama_gqa2"),

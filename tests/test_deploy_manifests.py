@@ -531,7 +531,7 @@ def test_overlay_shapes(rendered):
 
 @pytest.fixture(scope="module")
 def cli_commands() -> dict[str, argparse.ArgumentParser]:
-    """The subcommand parsers `megaserve.cli.main` builds (captured at its parse_args)."""
+    """The subcommand parsers `megaserve_app.cli.main` builds (captured at its parse_args)."""
     from megaserve import cli
 
     class Captured(Exception):

@@ -22,7 +22,7 @@ MIB = 2**20
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = os.environ | {"JAX_PLATFORMS": "cpu"}
     return subprocess.run(
-        [sys.executable, "-m", "megaserve.cli", "kernels", "compile", *args],
+        [sys.executable, "-m", "megaserve_app.cli", "kernels", "compile", *args],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -9,12 +9,12 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from megaserve.checkpoint import load_tokenizer
-from megaserve.launch import worker_stats
 from megaserve.model import LoadedModel
 from megaserve.offline import OfflineGenerator
 from megaserve.sampling_params import SamplingParams
 from megaserve.v1 import generation_pb2 as pb
 from megaserve.v1 import generation_pb2_grpc as pbg
+from megaserve_app.launch import worker_stats
 from tests.redis_server import RedisServer
 from tests.stack import Stack, make_chat_checkpoint, tokens_equal_report
 

@@ -151,7 +151,7 @@ def test_circuit_breaker_probe_without_a_verdict_does_not_block_forever():
 
 def test_kv_aware_beats_round_robin_on_shared_prefixes(tmp_path):
     """Real Redis, two decode workers, one then two routers, the tiny chat model."""
-    from megaserve.bench.router import Workload, bench_policies
+    from megaserve_app.bench.router import Workload, bench_policies
     from tests.stack import make_chat_checkpoint
 
     ck = make_chat_checkpoint(tmp_path / "ck")

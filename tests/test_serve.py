@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from megaserve.launch import child_env
+from megaserve_app.launch import child_env
 from tests.conftest import REPO
 from tests.stack import make_chat_checkpoint
 
@@ -47,7 +47,7 @@ def _alive(pids: set[int]) -> set[int]:
 
 
 def _serve(*args: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "megaserve.cli", "serve", "--port", "0", *args]
+    cmd = [sys.executable, "-m", "megaserve_app.cli", "serve", "--port", "0", *args]
     return subprocess.Popen(
         cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

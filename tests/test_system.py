@@ -13,10 +13,10 @@ import time
 import grpc
 import pytest
 
-from megaserve.launch import worker_stats
 from megaserve.rpc import decode_pb2
 from megaserve.v1 import generation_pb2 as pb
 from megaserve.v1 import generation_pb2_grpc as pbg
+from megaserve_app.launch import worker_stats
 from tests.redis_server import RedisServer
 from tests.stack import Stack, make_chat_checkpoint, tokens_equal_report
 

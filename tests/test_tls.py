@@ -260,7 +260,7 @@ def test_bad_files_give_errors_naming_them(pki, tmp_path):
     assert load_token(None, {}) is None
     # The worker process exits with status 2 and the message before loading a model.
     r = subprocess.run(
-        [sys.executable, "-m", "megaserve.cli", "decode-worker", "--tls-cert", missing,
+        [sys.executable, "-m", "megaserve_app.cli", "decode-worker", "--tls-cert", missing,
          "--tls-key", key, "--tls-ca", ca],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip

@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 
-from megaserve.launch import Cluster, RedisProcess
+from megaserve_app.launch import Cluster, RedisProcess
 
 
 def add_arguments(p) -> None:
@@ -44,7 +44,7 @@ def _echo(verbose: bool):
 
 def demo(address: str, prompt: str) -> None:
     """Streams one chat answer through the router, as any client would."""
-    from megaserve.client import stream_chat
+    from megaserve_app.client import stream_chat
 
     print(f"\n> {prompt}\n", flush=True)
     for text in stream_chat(address, [{"role": "user", "content": prompt}], max_tokens=64):

@@ -13,10 +13,10 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from megaserve.launch import Cluster, RedisProcess, worker_stats
 from megaserve.rpc import decode_pb2, decode_pb2_grpc
 from megaserve.v1 import generation_pb2 as pb
 from megaserve.v1 import generation_pb2_grpc as pbg
+from megaserve_app.launch import Cluster, RedisProcess, worker_stats
 
 
 @dataclass(frozen=True)

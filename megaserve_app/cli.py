@@ -61,7 +61,7 @@ def _add_client_auth(p) -> None:
 
 def cmd_generate(a: argparse.Namespace) -> int:
     if a.server:
-        from megaserve.client import generate_remote
+        from megaserve_app.client import generate_remote
 
         return generate_remote(a)
     from megaserve.model import LoadedModel
@@ -123,13 +123,13 @@ def _router(a: argparse.Namespace) -> int:
 
 
 def _serve(a: argparse.Namespace) -> int:
-    from megaserve.serve import serve
+    from megaserve_app.serve import serve
 
     return serve(a)
 
 
 def _chat(a: argparse.Namespace) -> int:
-    from megaserve.client import chat
+    from megaserve_app.client import chat
 
     return chat(a)
 
@@ -140,16 +140,16 @@ def _strip_eos(ids: list[int], eos: tuple[int, ...]) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     if os.environ.pop("MEGASERVE_DIE_WITH_PARENT", None) == "1":
-        from megaserve.launch import die_with_parent
+        from megaserve_app.launch import die_with_parent
 
         die_with_parent()
     parser = argparse.ArgumentParser(prog="megaserve", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     _add_generate(sub)
-    from megaserve.bench.cli import add_bench
+    from megaserve_app.bench.cli import add_bench
 
     add_bench(sub)
-    from megaserve.kernels_cli import add_kernels
+    from megaserve_app.kernels_cli import add_kernels
 
     add_kernels(sub)
     w = sub.add_parser("decode-worker", help="run a decode worker (gRPC, continuous batching)")
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     add_router_arguments(r)
     r.set_defaults(func=_router)
     sv = sub.add_parser("serve", help="the whole stack locally: Redis, workers, router")
-    from megaserve.serve import add_arguments as add_serve_arguments
+    from megaserve_app.serve import add_arguments as add_serve_arguments
 
     add_serve_arguments(sv)
     sv.set_defaults(func=_serve)

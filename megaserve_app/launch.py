@@ -189,7 +189,7 @@ def worker_stats(address: str, timeout: float = 10.0):
 
 
 def megaserve_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "megaserve.cli", *args]
+    return [sys.executable, "-m", "megaserve_app.cli", *args]
 
 
 class Cluster:

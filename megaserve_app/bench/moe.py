@@ -11,8 +11,8 @@ import numpy as np
 from kernels import qwen3_moe
 from kernels.kv_cache import KVPool
 from kernels.moe import route
-from megaserve.bench.decode import time_decode
 from megaserve.model import LoadedModel
+from megaserve_app.bench.decode import time_decode
 
 # A small Qwen3-MoE: 12 layers, 64 experts, top-8 (Qwen3-30B-A3B's routing shape, scaled).
 BENCH_CONFIG = {

@@ -104,7 +104,7 @@ def _peer_rows(a, gguf: Path, batches: list[int]) -> list[dict]:
         return []
     f32 = REPO / ".cache" / "smollm2-f32.gguf"
     f32.parent.mkdir(exist_ok=True)
-    script = str(REPO / "bench" / "peers.py")
+    script = str(Path(__file__).with_name("peers.py"))
     env = {**os.environ, "GGML_NO_BACKTRACE": "1", "HF_HUB_OFFLINE": "1"}
     subprocess.run(
         [str(ref), script, "make-f32", "--src", str(gguf), "--dst", str(f32)], check=False, env=env
@@ -141,9 +141,9 @@ def _peer_rows(a, gguf: Path, batches: list[int]) -> list[dict]:
 def cmd_bench_decode(a: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
-    from megaserve.bench.decode import bench_ours, measure_read_bandwidth
     from megaserve.checkpoint import resolve_checkpoint_path
     from megaserve.model import LoadedModel
+    from megaserve_app.bench.decode import bench_ours, measure_read_bandwidth
 
     batches = [int(b) for b in a.batch.split(",")]
     dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16}[a.dtype]
@@ -197,8 +197,8 @@ def _print_table(rows: list[dict], bw: float) -> None:
 
 
 def cmd_bench_moe(a: argparse.Namespace) -> int:
-    from megaserve.bench.decode import measure_read_bandwidth
-    from megaserve.bench.moe import bench_moe, random_moe_model
+    from megaserve_app.bench.decode import measure_read_bandwidth
+    from megaserve_app.bench.moe import bench_moe, random_moe_model
 
     model = random_moe_model()
     bw = measure_read_bandwidth()
@@ -228,10 +228,10 @@ def cmd_bench_moe(a: argparse.Namespace) -> int:
 
 
 def cmd_bench_server(a: argparse.Namespace) -> int:
-    from megaserve.bench.decode import bench_ours
-    from megaserve.bench.server import admission_cost, bench_server
     from megaserve.logs import configure
     from megaserve.model import LoadedModel
+    from megaserve_app.bench.decode import bench_ours
+    from megaserve_app.bench.server import admission_cost, bench_server
 
     configure("warning")
     model = LoadedModel.load(a.checkpoint, progress=False)
@@ -266,9 +266,9 @@ def cmd_bench_server(a: argparse.Namespace) -> int:
 
 
 def cmd_bench_disagg(a: argparse.Namespace) -> int:
-    from megaserve.bench.disagg import bench_disagg, bench_raw_transfer
     from megaserve.logs import configure
     from megaserve.model import LoadedModel
+    from megaserve_app.bench.disagg import bench_disagg, bench_raw_transfer
 
     configure("warning")
     model = LoadedModel.load(a.checkpoint, progress=False)
@@ -300,7 +300,7 @@ def cmd_bench_disagg(a: argparse.Namespace) -> int:
 
 
 def cmd_bench_router(a) -> int:
-    from megaserve.bench.router import Workload, bench_overhead, bench_policies
+    from megaserve_app.bench.router import Workload, bench_overhead, bench_policies
 
     wl = Workload(a.systems, a.users, a.system_tokens, a.user_tokens, a.max_tokens, a.concurrency)
     worker_args = ("--kv-budget-mb", str(a.kv_budget_mb))
@@ -326,7 +326,7 @@ def cmd_bench_router(a) -> int:
 
 
 def cmd_bench_serve(a) -> int:
-    from megaserve.bench.serve import Mix, Settings, bench_serve, markdown_table, plot
+    from megaserve_app.bench.serve import Mix, Settings, bench_serve, markdown_table, plot
 
     s = Settings(
         checkpoint=a.checkpoint,

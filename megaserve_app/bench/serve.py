@@ -25,10 +25,10 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from megaserve.bench.router import _pct
-from megaserve.launch import Cluster, RedisProcess, worker_stats
 from megaserve.v1 import generation_pb2 as pb
 from megaserve.v1 import generation_pb2_grpc as pbg
+from megaserve_app.bench.router import _pct
+from megaserve_app.launch import Cluster, RedisProcess, worker_stats
 
 DEFAULT_MIX = "short:32-128:0.6,medium:256-512:0.3,long:1024-1536:0.1"
 DEFAULT_OUTPUT = "16-128"
