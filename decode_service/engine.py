@@ -1,4 +1,4 @@
-"""The decode loop: one thread runs scheduler plans on the XLA runner and emits tokens."""
+"""The decode loop: one thread runs scheduler plans on the runner and emits tokens."""
 
 from __future__ import annotations
 
@@ -12,14 +12,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from decode_service.page_allocator import OutOfPages, PageAllocator
+from decode_service.events import TokenEvent, top_logprobs
+from decode_service.reservations import Reservation, Reservations
 from decode_service.scheduler import Scheduler, SchedulerConfig
 from decode_service.sequence import Sequence
 from kernels.kv_cache import KVPool
-from kernels.xla_step import SamplingArrays, StepConfig, make_runner
-from megaserve.block_hash import block_hashes
-from megaserve.errors import RequestError, check_prompt_ids
+from megaserve.errors import DuplicateRequest, NoCapacity, RequestError, check_prompt_ids
+from megaserve.finish import FinishReason
+from megaserve.kv.allocator import PageAllocator
+from megaserve.kv.pages import pages_for_tokens
 from megaserve.model import LoadedModel
+from megaserve.runner.batch import TokenBatch
+from megaserve.runner.buckets import StepConfig
+from megaserve.runner.factory import make_runner
+from megaserve.sampling_params import SamplingArrays
 
 
 @dataclass(frozen=True)
@@ -33,77 +39,32 @@ class EngineConfig:
     backend: str | None = None
 
 
-@dataclass(frozen=True)
-class TokenEvent:
-    """Tokens a request produced in one step; `finish_reason` set on its last event."""
-
-    request_id: str
-    token_ids: list[int]
-    finish_reason: str | None
-    step: int
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    # Per token: (token, logprob, top ids, top logprobs) when the request asked for them.
-    logprobs: list[tuple[int, float, list[int], list[float]]] | None = None
-
-
-def top_logprobs(logits: np.ndarray, token: int, n: int):
-    """(token, logprob, top-n ids, top-n logprobs) of raw f32[V] logits, natural log."""
-    x = logits.astype(np.float64)
-    lse = x.max() + np.log(np.exp(x - x.max()).sum())
-    lp = x - lse
-    top = np.argsort(-lp, kind="stable")[:n]
-    return int(token), float(lp[token]), top.tolist(), lp[top].tolist()
-
-
-class Full(Exception):
-    """The waiting queue is full (RESOURCE_EXHAUSTED)."""
-
-
-@dataclass
-class Reservation:
-    """Pages held for a request whose KV a prefill worker will send; freed at `expires`."""
-
-    request_id: str
-    prompt: list[int]
-    pages: list[int]
-    cached_pages: int
-    expires: float
-    first_token: int | None = None  # set when the imported KV is committed
-    waiter: Sequence | None = None  # the Generate call attached to this reservation
-
-
 class DecodeEngine:
-    """Owns the pool, allocator, scheduler and runner; `submit` is safe from any thread."""
+    """Owns the pool, allocator, scheduler, reservations and runner; the public methods are
+    safe from any thread (the engine thread owns all state below them)."""
 
     def __init__(self, model: LoadedModel, cfg: EngineConfig = EngineConfig()):
         self.model, self.cfg = model, cfg
         mc = model.cfg
-        probe = KVPool.create(mc.num_layers, 2, cfg.page_size, mc.num_kv_heads, mc.head_dim)
-        n_pages = KVPool.pages_for_budget(cfg.kv_budget_bytes, probe.bytes_per_page)
-        del probe
-        self.pool = KVPool.create(
+        self.pool = KVPool.for_budget(
             mc.num_layers,
-            n_pages,
             cfg.page_size,
             mc.num_kv_heads,
             mc.head_dim,
+            cfg.kv_budget_bytes,
             model.params["embed"].dtype,
         )
-        self.alloc = PageAllocator(n_pages, cfg.page_size)
+        self.alloc = PageAllocator(self.pool.num_pages, cfg.page_size)
         self.sched = Scheduler(cfg.scheduler, self.alloc)
         self.max_pages_per_seq = math.ceil(cfg.max_context / cfg.page_size)
-        buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < cfg.scheduler.max_running)
-        step_cfg = StepConfig(
-            batch_buckets=buckets + (cfg.scheduler.max_running,),
-            token_buckets=tuple(
-                b for b in (16, 32, 64, 128, 256, 512) if b < cfg.scheduler.prefill_chunk
-            )
-            + (cfg.scheduler.prefill_chunk,),
-            max_pages_per_seq=self.max_pages_per_seq,
+        step_cfg = StepConfig.for_limits(
+            cfg.scheduler.max_running, cfg.scheduler.prefill_chunk, self.max_pages_per_seq
         )
         self.runner = make_runner(
             model.family, mc, model.params, self.pool, step_cfg, backend=cfg.backend
+        )
+        self.reservations = Reservations(
+            self.alloc, self.pool, cfg.attach_lease_s, self._start_imported, self._abort_waiter
         )
         self.steps = 0
         self._inbox: queue.Queue = queue.Queue()
@@ -112,8 +73,6 @@ class DecodeEngine:
         self._live: dict[str, Sequence] = {}
         self._sinks: dict[str, Callable[[TokenEvent], None]] = {}
         self._commands: queue.Queue = queue.Queue()
-        self.reservations: dict[str, Reservation] = {}
-        self.expired_reservations = 0
         self.prefill_tokens = 0  # prompt tokens computed by this worker's own prefill
         self.cached_prompt_tokens = 0  # prompt tokens served from the prefix cache
         self.imported_requests = 0  # requests whose KV came from a prefill worker
@@ -132,30 +91,32 @@ class DecodeEngine:
                 f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the context "
                 f"limit {self.cfg.max_context}"
             )
-        pages = -(-(len(prompt) + max_tokens) // self.cfg.page_size)
+        pages = pages_for_tokens(len(prompt) + max_tokens, self.cfg.page_size)
         if pages > self.alloc.num_pages - 1:
             raise RequestError(
                 f"request needs {pages} pages, the whole pool has {self.alloc.num_pages - 1}"
             )
 
     def submit(self, seq: Sequence, sink: Callable[[TokenEvent], None]) -> None:
-        """Queues seq; sink(event) is called from the engine thread for each step's tokens."""
+        """Queues seq; sink(event) is called from the engine thread for each step's tokens.
+
+        Raises RequestError (DuplicateRequest for a live id) or NoCapacity (queue full)."""
         self.validate(seq.prompt, seq.max_tokens)
         with self._lock:
             if seq.request_id in self._live:
-                raise RequestError(f"request_id {seq.request_id!r} is already running")
+                raise DuplicateRequest(f"request_id {seq.request_id!r} is already running")
             if len(self.sched.waiting) + self._inbox.qsize() >= self.cfg.scheduler.max_waiting:
-                raise Full(f"queue full ({self.cfg.scheduler.max_waiting} waiting); retry later")
+                raise NoCapacity(
+                    f"queue full ({self.cfg.scheduler.max_waiting} waiting); retry later"
+                )
             self._live[seq.request_id] = seq
             self._sinks[seq.request_id] = sink
             self.requests += 1
         if seq.request_id in self.reservations:
             try:
-                self._call(self._attach, seq)
+                self._call(self.reservations.attach, seq)
             except RequestError:
-                with self._lock:
-                    self._live.pop(seq.request_id, None)
-                    self._sinks.pop(seq.request_id, None)
+                self._forget(seq.request_id)
                 raise
             return
         self._inbox.put(seq)
@@ -164,7 +125,7 @@ class DecodeEngine:
     def cancel(self, request_id: str) -> bool:
         """Cancels a live request or drops a reservation; False if the id is unknown."""
         if request_id in self.reservations:
-            return self._call(self._drop_reservation, request_id)
+            return self._call(self.reservations.drop, request_id)
         with self._lock:
             known = request_id in self._live
             if known:
@@ -175,113 +136,35 @@ class DecodeEngine:
     def reserve(self, request_id: str, prompt: list[int], lease_s: float) -> Reservation:
         """Holds pages for prompt (prefix hits included) until KV arrives or the lease ends."""
         self.validate(prompt, 1)
-        return self._call(self._reserve, request_id, prompt, lease_s)
-
-    def _call(self, fn, *args):
-        """Runs fn on the engine thread (the allocator is single-threaded) and waits."""
-        fut: Future = Future()
-        self._commands.put((fut, fn, args))
-        self._wake.set()
-        if self._thread is None:  # not started (unit tests drive run_once themselves)
-            self._run_commands()
-        return fut.result(timeout=30)
-
-    def _run_commands(self) -> None:
-        while True:
-            try:
-                fut, fn, args = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                fut.set_result(fn(*args))
-            except Exception as e:  # surfaced to the caller's thread
-                fut.set_exception(e)
-
-    def _reserve(self, request_id: str, prompt: list[int], lease_s: float) -> Reservation:
-        if request_id in self.reservations or request_id in self._live:
-            raise RequestError(f"request_id {request_id!r} is already reserved or running")
-        hashes = block_hashes(prompt[: len(prompt) - 1], self.cfg.page_size)
-        hit = self.alloc.match_prefix(hashes)
-        need = -(-len(prompt) // self.cfg.page_size) - len(hit)
-        self.alloc.acquire(hit)
-        try:
-            fresh = self.alloc.allocate(need)
-        except OutOfPages as e:
-            self.alloc.release(hit)
-            raise Full(f"reservation needs {need} pages: {e}; retry") from e
-        res = Reservation(
-            request_id, list(prompt), hit + fresh, len(hit), time.monotonic() + lease_s
-        )
-        self.reservations[request_id] = res
-        return res
-
-    def _drop_reservation(self, request_id: str) -> bool:
-        res = self.reservations.pop(request_id, None)
-        if res is None:
-            return False
-        self.alloc.release(res.pages)
-        if res.waiter is not None:  # a Generate call was waiting for this KV
-            self._send(res.waiter, [], "abort", True)
-            with self._lock:
-                self._live.pop(request_id, None)
-                self._sinks.pop(request_id, None)
-        return True
+        if request_id in self._live:
+            raise DuplicateRequest(f"request_id {request_id!r} is already reserved or running")
+        return self._call(self.reservations.reserve, request_id, prompt, lease_s)
 
     def reservation(self, request_id: str) -> Reservation | None:
         return self.reservations.get(request_id)
 
     def drop_reservation(self, request_id: str) -> bool:
         """Frees a reservation (e.g. after a failed transfer); False if unknown."""
-        return self._call(self._drop_reservation, request_id)
+        return self._call(self.reservations.drop, request_id)
 
     def commit_import(
         self, request_id: str, first_token: int, k: np.ndarray, v: np.ndarray
     ) -> None:
         """Writes complete imported pages into the pool and readies the request."""
-        self._call(self._commit_import, request_id, first_token, k, v)
+        self._call(self.reservations.commit, request_id, first_token, k, v)
 
-    def _commit_import(self, request_id, first_token, k, v) -> None:
-        res = self.reservations.get(request_id)
-        if res is None:
-            raise RequestError(f"reservation {request_id!r} expired before its KV committed")
-        self.pool.write_pages(np.asarray(res.pages[res.cached_pages :], np.int32), k, v)
-        res.first_token = int(first_token)
-        # The KV is in; a Generate call must now attach within the attach lease, or the pages
-        # go back (a router that vanished between hand-off and Generate leaks nothing).
-        res.expires = time.monotonic() + self.cfg.attach_lease_s
-        if res.waiter is not None:
-            self._start_imported(res)
+    @property
+    def expired_reservations(self) -> int:
+        return self.reservations.expired
 
-    def _start_imported(self, res: Reservation) -> None:
-        """The reservation's pages become the sequence's; it decodes from the first token."""
-        seq = res.waiter
-        del self.reservations[res.request_id]
-        seq.pages = res.pages
-        seq.num_computed = len(seq.prompt)
-        seq.num_cached_tokens = res.cached_pages * self.cfg.page_size
-        seq.num_registered = res.cached_pages
-        self.sched.register_full_pages(seq)
-        seq.arrival_step = self.steps
-        self.imported_requests += 1
-        self._emit(seq, [res.first_token], first=True)
-        if seq.state.value != "finished":
-            self.sched.add_ready(seq)
+    @property
+    def live_count(self) -> int:
+        """Requests accepted and not yet finished."""
+        return len(self._live)
 
-    def _attach(self, seq: Sequence) -> None:
-        res = self.reservations[seq.request_id]
-        if res.prompt != seq.prompt:
-            raise RequestError(
-                f"request {seq.request_id!r}: prompt differs from the reserved prompt"
-            )
-        res.waiter = seq
-        if res.first_token is not None:
-            self._start_imported(res)
-
-    def _expire_reservations(self) -> None:
-        now = time.monotonic()
-        for rid in [r for r, res in self.reservations.items() if res.expires <= now]:
-            self._drop_reservation(rid)
-            self.expired_reservations += 1
+    @property
+    def idle(self) -> bool:
+        return not self._live and not self.reservations
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="decode-engine", daemon=True)
@@ -293,11 +176,51 @@ class DecodeEngine:
         if self._thread:
             self._thread.join(timeout=30)
 
-    @property
-    def idle(self) -> bool:
-        return not self._live and not self.reservations
+    def _call(self, fn, *args):
+        """Runs fn on the engine thread (the allocator is single-threaded) and waits."""
+        fut: Future = Future()
+        self._commands.put((fut, fn, args))
+        self._wake.set()
+        if self._thread is None:  # not started (unit tests drive run_once themselves)
+            self._run_commands()
+        return fut.result(timeout=30)
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._live.pop(request_id, None)
+            self._sinks.pop(request_id, None)
 
     # -- engine thread -----------------------------------------------------------------
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fut, fn, args = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                fut.set_result(fn(*args))
+            except Exception as e:  # surfaced to the caller's thread
+                fut.set_exception(e)
+
+    def _start_imported(self, res: Reservation) -> None:
+        """The reservation's pages become the sequence's; it decodes from the first token."""
+        seq = res.waiter
+        seq.pages = res.pages
+        seq.num_computed = len(seq.prompt)
+        seq.num_cached_tokens = res.cached_pages * self.cfg.page_size
+        seq.num_registered = res.cached_pages
+        self.sched.register_full_pages(seq)
+        seq.arrival_step = self.steps
+        self.imported_requests += 1
+        self._emit(seq, [res.first_token], first=True)
+        if seq.finish_reason is None:
+            self.sched.add_ready(seq)
+
+    def _abort_waiter(self, seq: Sequence) -> None:
+        """A Generate call waiting on a reservation that was dropped or expired."""
+        self._send(seq, [], FinishReason.ABORT, True)
+        self._forget(seq.request_id)
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             if not self.run_once():
@@ -312,7 +235,7 @@ class DecodeEngine:
             except queue.Empty:
                 break
         self._run_commands()
-        self._expire_reservations()
+        self.reservations.expire()
         self._apply_cancels()
         plan = self.sched.plan()
         worked = False
@@ -330,28 +253,17 @@ class DecodeEngine:
         for rid in cancels:
             seq = self._live.get(rid)
             if seq is not None:
-                self._finish(seq, "abort", [])
+                self._finish(seq, FinishReason.ABORT, [])
 
     def _rows(self, seqs: list[Sequence]) -> SamplingArrays:
         return SamplingArrays.build(
-            [s.sampling.as_row() for s in seqs],
-            [s.penalty_split() for s in seqs],
-            self.model.cfg.vocab_size,
+            [s.sampling for s in seqs], [s.penalty_split() for s in seqs], self.model.cfg.vocab_size
         )
-
-    def _table(self, seqs: list[Sequence]) -> np.ndarray:
-        width = max(len(s.pages) for s in seqs)
-        t = np.zeros((len(seqs), width), np.int32)
-        for i, s in enumerate(seqs):
-            t[i, : len(s.pages)] = s.pages
-        return t
 
     def _run_prefill(self, seq: Sequence, chunk: list[int], start: int) -> None:
-        pos = np.arange(start, start + len(chunk), dtype=np.int32)
         self.prefill_tokens += len(chunk)
-        nxt, logits = self.runner.prefill(
-            np.array([chunk], np.int32), pos[None], self._table([seq]), self._rows([seq])
-        )
+        batch = TokenBatch.from_rows([(chunk, start, seq.pages)])
+        nxt, logits = self.runner.prefill(batch, self._rows([seq]))
         if self.sched.prefill_done(seq, len(chunk)):
             first = not seq.output
             tok = int(nxt[0])
@@ -359,12 +271,9 @@ class DecodeEngine:
             self._emit(seq, [tok], first=first, logprobs=lps)
 
     def _run_decode(self, seqs: list[Sequence]) -> None:
-        tokens = np.array([s.tokens[-1] for s in seqs], np.int32)
-        pos = np.array([len(s.tokens) - 1 for s in seqs], np.int32)
+        batch = TokenBatch.from_rows([([s.tokens[-1]], len(s.tokens) - 1, s.pages) for s in seqs])
         want = any(s.logprobs for s in seqs)
-        toks, logits = self.runner.decode(
-            tokens, pos, self._table(seqs), self._rows(seqs), n_steps=1, want_logits=want
-        )
+        toks, logits = self.runner.decode(batch, self._rows(seqs), n_steps=1, want_logits=want)
         self.steps += 1
         for i, (s, t) in enumerate(zip(seqs, toks[0].tolist())):
             s.num_computed = len(s.tokens)
@@ -376,25 +285,33 @@ class DecodeEngine:
         seq.output.extend(new)
         reason = None
         if new[-1] in seq.stop_ids:
-            reason = "stop"
+            reason = FinishReason.STOP
         elif len(seq.output) >= seq.max_tokens:
-            reason = "length"
+            reason = FinishReason.LENGTH
         if reason:
             self._finish(seq, reason, new, first, logprobs)
         else:
             self._send(seq, new, None, first, logprobs)
 
     def _finish(
-        self, seq: Sequence, reason: str, new: list[int], first: bool = False, logprobs=None
+        self,
+        seq: Sequence,
+        reason: FinishReason,
+        new: list[int],
+        first: bool = False,
+        logprobs=None,
     ) -> None:
         self.sched.finish(seq, reason)
         self._send(seq, new, reason, first, logprobs)
-        with self._lock:
-            self._live.pop(seq.request_id, None)
-            self._sinks.pop(seq.request_id, None)
+        self._forget(seq.request_id)
 
     def _send(
-        self, seq: Sequence, new: list[int], reason: str | None, first: bool, logprobs=None
+        self,
+        seq: Sequence,
+        new: list[int],
+        reason: FinishReason | None,
+        first: bool,
+        logprobs=None,
     ) -> None:
         if first:
             self.cached_prompt_tokens += seq.num_cached_tokens
@@ -437,5 +354,5 @@ def wait_idle(engine: DecodeEngine, timeout: float = 30.0) -> None:
     end = time.monotonic() + timeout
     while not engine.idle:
         if time.monotonic() > end:
-            raise TimeoutError(f"engine still has {len(engine._live)} live requests")
+            raise TimeoutError(f"engine still has {engine.live_count} live requests")
         time.sleep(0.01)

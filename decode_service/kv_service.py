@@ -9,9 +9,11 @@ import grpc
 import structlog
 
 from decode_service.engine import DecodeEngine
-from decode_service.kv_import import KVImport, PageGeometry, TransferError
 from megaserve.errors import RequestError
+from megaserve.kv.staging import KVImport
+from megaserve.kv.wire import PageGeometry, TransferError
 from megaserve.rpc import kv_transfer_pb2, kv_transfer_pb2_grpc
+from megaserve.status import Reason, abort
 
 log = structlog.get_logger("megaserve.kv")
 
@@ -20,14 +22,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
     def __init__(self, engine: DecodeEngine, metrics=None):
         self.engine = engine
         self.metrics = metrics
-        mc = engine.model.cfg
-        self.geo = PageGeometry(
-            mc.num_layers,
-            engine.cfg.page_size,
-            mc.num_kv_heads,
-            mc.head_dim,
-            str(engine.pool.k.dtype),
-        )
+        self.geo = PageGeometry.of_pool(engine.pool)
         self.bytes_committed = 0
         self.failures = 0
 
@@ -45,8 +40,10 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
                     rid = msg.header.request_id
                     res = self.engine.reservation(rid)
                     if res is None:
-                        await context.abort(
+                        await abort(
+                            context,
                             grpc.StatusCode.NOT_FOUND,
+                            Reason.RESERVATION_NOT_FOUND,
                             f"no open reservation {rid!r} (unknown or expired)",
                         )
                     if res.first_token is not None:
@@ -69,8 +66,10 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
             if not imp.complete or trailer is None:
                 self.failures += 1
                 await asyncio.to_thread(self.engine.drop_reservation, rid)
-                await context.abort(
+                await abort(
+                    context,
                     grpc.StatusCode.DATA_LOSS,
+                    Reason.KV_TRANSFER_INCOMPLETE,
                     f"stream ended with {imp.missing} (layer, page) cells missing"
                     f"{'' if trailer else ' and no trailer'}; reservation {rid!r} freed",
                 )
@@ -91,7 +90,12 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
             if rid is not None:
                 await asyncio.to_thread(self.engine.drop_reservation, rid)
             log.warning("kv push refused", request_id=rid, error=str(e))
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e}; reservation freed")
+            await abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                Reason.KV_TRANSFER_INVALID,
+                f"{e}; reservation freed",
+            )
         self.bytes_committed += imp.bytes
         if self.metrics:
             self.metrics.kv_bytes.inc(imp.bytes)

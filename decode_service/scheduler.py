@@ -5,9 +5,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from decode_service.page_allocator import OutOfPages, PageAllocator
 from decode_service.sequence import SeqState, Sequence
-from megaserve.block_hash import block_hashes
+from megaserve.errors import NoCapacity
+from megaserve.finish import FinishReason
+from megaserve.kv.allocator import PageAllocator
+from megaserve.kv.block_hash import block_hashes
+from megaserve.kv.pages import claim_pages
 
 
 @dataclass(frozen=True)
@@ -58,21 +61,14 @@ class Scheduler:
             self.running.append(seq)
         while self.waiting and len(self.running) + len(self.prefilling) < self.cfg.max_running:
             seq = self.waiting[0]
-            tokens = seq.tokens
-            # Reuse cached full blocks, but always recompute the last token for its logits.
-            hashes = block_hashes(tokens[: len(tokens) - 1], self.page_size)
-            hit = self.alloc.match_prefix(hashes)
-            self.alloc.acquire(hit)
-            need = -(-len(tokens) // self.page_size) - len(hit)
             try:
-                fresh = self.alloc.allocate(need)
-            except OutOfPages:
-                self.alloc.release(hit)
+                pages, hit = claim_pages(self.alloc, seq.tokens)
+            except NoCapacity:
                 return  # head-of-line waits: FCFS
             self.waiting.popleft()
-            seq.pages = hit + fresh
-            seq.num_computed = len(hit) * self.page_size
-            seq.num_registered = len(hit)
+            seq.pages = pages
+            seq.num_computed = hit * self.page_size
+            seq.num_registered = hit
             if not seq.output:
                 seq.num_cached_tokens = seq.num_computed
             seq.state = SeqState.PREFILL
@@ -86,7 +82,7 @@ class Scheduler:
         while seq.pages_needed(len(seq.tokens), self.page_size) > 0:
             try:
                 seq.pages += self.alloc.allocate(1)
-            except OutOfPages:
+            except NoCapacity:
                 victim = self._pick_victim(exclude=seq)
                 if victim is None:
                     return False
@@ -145,7 +141,7 @@ class Scheduler:
             self.alloc.register(seq.pages[i], hashes[i])
         seq.num_registered = full
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Releases seq's pages (full pages stay cached for reuse) and drops it."""
         seq.finish_reason, seq.state = reason, SeqState.FINISHED
         for q in (self.running,):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from megaserve.finish import FinishReason
+from megaserve.kv.pages import pages_for_tokens
 from megaserve.sampling_params import SamplingParams
 
 
@@ -30,7 +32,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache
     num_registered: int = 0  # full pages already published to the prefix cache
     state: SeqState = SeqState.WAITING
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     arrival_step: int = 0
     logprobs: int = 0  # top-n log-probabilities to return per token (0 = none)
     resumed: int = 0  # trailing prompt tokens generated before a migration (output for penalties)
@@ -50,4 +52,4 @@ class Sequence:
         return self.state == SeqState.PREFILL
 
     def pages_needed(self, num_tokens: int, page_size: int) -> int:
-        return -(-num_tokens // page_size) - len(self.pages)
+        return pages_for_tokens(num_tokens, page_size) - len(self.pages)

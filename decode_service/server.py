@@ -1,42 +1,71 @@
-"""The decode worker's gRPC server (grpc.aio): Generate streams, Release, Stats, health."""
+"""The decode worker's gRPC server (grpc.aio): Generate streams, Reserve, Release, Stats."""
 
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 
 import grpc
 import structlog
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
-from decode_service.engine import DecodeEngine, Full, TokenEvent
+from decode_service.engine import DecodeEngine
+from decode_service.events import TokenEvent
+from decode_service.kv_service import KVTransferServicer
 from decode_service.metrics import WorkerMetrics
 from decode_service.sequence import Sequence
-from megaserve.errors import RequestError
+from megaserve.errors import NoCapacity, RequestError
+from megaserve.finish import FinishReason
+from megaserve.grpc_server import start_serving
 from megaserve.rpc import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, kv_transfer_pb2_grpc
 from megaserve.sampling_params import SamplingParams
 from megaserve.security import TLSConfig, add_port
+from megaserve.status import Reason, abort, abort_for
 
-_FINISH = {
-    None: decode_pb2.FINISH_REASON_UNSPECIFIED,
-    "stop": decode_pb2.FINISH_REASON_STOP,
-    "length": decode_pb2.FINISH_REASON_LENGTH,
-}
 SERVICE = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
 KV_SERVICE = kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
+MAX_LOGPROBS = 20
 log = structlog.get_logger("megaserve.decode")
 
 
-def sampling_from_proto(p: decode_pb2.SamplingParams) -> SamplingParams:
-    """Proto -> validated params; top_p 0 (unset) means disabled."""
-    top_p = 1.0 if p.top_p == 0 else p.top_p
-    if not math.isfinite(p.temperature):
-        raise RequestError(f"temperature={p.temperature} must be finite")
-    rep = 1.0 if p.repetition_penalty == 0 else p.repetition_penalty
-    return SamplingParams(
-        p.temperature, p.top_k, top_p, p.min_p, p.seed, p.presence_penalty, p.frequency_penalty, rep
+def sequence_from_request(request: decode_pb2.GenerateRequest, eos_ids) -> Sequence:
+    """The validated Sequence of a Generate call; RequestError naming the bad field."""
+    if not request.request_id:
+        raise RequestError("request_id is empty")
+    sampling = SamplingParams.from_proto(request.sampling)
+    stop = set(request.stopping.stop_token_ids)
+    if not request.stopping.ignore_eos:
+        stop |= set(eos_ids)
+    if not 0 <= request.logprobs <= MAX_LOGPROBS:
+        raise RequestError(f"logprobs={request.logprobs} must be in [0, {MAX_LOGPROBS}]")
+    prompt = list(request.prompt_token_ids)
+    if not 0 <= request.resumed_tokens < max(len(prompt), 1):
+        raise RequestError(f"resumed_tokens={request.resumed_tokens} must be in [0, prompt length)")
+    return Sequence(
+        request.request_id,
+        prompt,
+        sampling,
+        request.stopping.max_tokens,
+        frozenset(stop),
+        logprobs=request.logprobs,
+        resumed=request.resumed_tokens,
+    )
+
+
+def response_of(e: TokenEvent) -> decode_pb2.GenerateResponse:
+    return decode_pb2.GenerateResponse(
+        token_ids=e.token_ids,
+        finish_reason=(
+            e.finish_reason.to_decode_proto()
+            if e.finish_reason
+            else decode_pb2.FINISH_REASON_UNSPECIFIED
+        ),
+        prompt_tokens=e.prompt_tokens,
+        cached_tokens=e.cached_tokens,
+        step=e.step,
+        logprobs=[
+            decode_pb2.TokenLogprobs(token_id=t, logprob=lp, top_token_ids=ids, top_logprobs=vals)
+            for t, lp, ids, vals in (e.logprobs or ())
+        ],
     )
 
 
@@ -52,39 +81,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         rid = request.request_id
         arrived = time.monotonic()
         if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is shutting down; retry")
+            await abort(
+                context, grpc.StatusCode.UNAVAILABLE, Reason.DRAINING, "worker is shutting down"
+            )
         try:
-            if not rid:
-                raise RequestError("request_id is empty")
-            sampling = sampling_from_proto(request.sampling)
-            stop = set(request.stopping.stop_token_ids)
-            if not request.stopping.ignore_eos:
-                stop |= set(self.engine.model.eos_token_ids)
-            if not 0 <= request.logprobs <= 20:
-                raise RequestError(f"logprobs={request.logprobs} must be in [0, 20]")
-            seq = Sequence(
-                rid,
-                list(request.prompt_token_ids),
-                sampling,
-                request.stopping.max_tokens,
-                frozenset(stop),
-                logprobs=request.logprobs,
-                resumed=request.resumed_tokens,
-            )
-            if not 0 <= request.resumed_tokens < max(len(seq.prompt), 1):
-                raise RequestError(
-                    f"resumed_tokens={request.resumed_tokens} must be in [0, prompt length)"
-                )
+            seq = sequence_from_request(request, self.engine.model.eos_token_ids)
             self.engine.submit(seq, lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
-        except RequestError as e:
-            code = (
-                grpc.StatusCode.ALREADY_EXISTS
-                if "already" in str(e)
-                else (grpc.StatusCode.INVALID_ARGUMENT)
-            )
-            await context.abort(code, str(e))
-        except Full as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except (RequestError, NoCapacity) as e:
+            await abort_for(context, e)
         done = False
         last = None
         m = self.metrics
@@ -107,21 +111,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 if done:
                     m.finished(e.finish_reason)
                     log.info("finished", request_id=rid, reason=e.finish_reason)
-                if e.finish_reason == "abort":
-                    await context.abort(grpc.StatusCode.CANCELLED, f"request {rid!r} released")
-                yield decode_pb2.GenerateResponse(
-                    token_ids=e.token_ids,
-                    finish_reason=_FINISH[e.finish_reason],
-                    prompt_tokens=e.prompt_tokens,
-                    cached_tokens=e.cached_tokens,
-                    step=e.step,
-                    logprobs=[
-                        decode_pb2.TokenLogprobs(
-                            token_id=t, logprob=lp, top_token_ids=ids, top_logprobs=vals
-                        )
-                        for t, lp, ids, vals in (e.logprobs or ())
-                    ],
-                )
+                if e.finish_reason is FinishReason.ABORT:
+                    await abort(
+                        context,
+                        grpc.StatusCode.CANCELLED,
+                        Reason.RELEASED,
+                        f"request {rid!r} released",
+                    )
+                yield response_of(e)
         finally:
             # Client cancel, disconnect or deadline: the engine frees the pages next step.
             if not done:
@@ -129,8 +126,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def Release(self, request, context):  # noqa: N802
         if not await asyncio.to_thread(self.engine.cancel, request.request_id):
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND, f"unknown request_id {request.request_id!r}"
+            await abort(
+                context,
+                grpc.StatusCode.NOT_FOUND,
+                Reason.UNKNOWN_REQUEST,
+                f"unknown request_id {request.request_id!r}",
             )
         return decode_pb2.ReleaseResponse()
 
@@ -142,15 +142,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             res = await asyncio.to_thread(
                 self.engine.reserve, request.request_id, list(request.prompt_token_ids), lease
             )
-        except RequestError as e:
-            code = (
-                grpc.StatusCode.ALREADY_EXISTS
-                if "already" in str(e)
-                else grpc.StatusCode.INVALID_ARGUMENT
-            )
-            await context.abort(code, str(e))
-        except Full as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except (RequestError, NoCapacity) as e:
+            await abort_for(context, e)
         return decode_pb2.ReserveResponse(
             cached_pages=res.cached_pages,
             total_pages=len(res.pages),
@@ -172,18 +165,9 @@ async def create_server(
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
     servicer = DecodeServicer(engine)
     decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
-    from decode_service.kv_service import KVTransferServicer
-
     kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(
         KVTransferServicer(engine, servicer.metrics), server
     )
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE, KV_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
     port = add_port(server, address, tls)
-    await server.start()
-    for name in ("", SERVICE):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_servicer = await start_serving(server, (SERVICE, KV_SERVICE))
     return server, port, health_servicer, servicer

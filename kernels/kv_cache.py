@@ -94,6 +94,22 @@ class KVPool:
             for s, n in pow2_pieces(len(pages))
         ]
 
+    @classmethod
+    def for_budget(
+        cls,
+        num_layers: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        budget_bytes: int,
+        dtype: Any = jnp.float32,
+    ) -> KVPool:
+        """The largest pool (null page included) whose K and V fit in budget_bytes."""
+        per_page = 2 * num_layers * page_size * num_kv_heads * head_dim
+        per_page *= np.dtype(dtype).itemsize
+        n = cls.pages_for_budget(budget_bytes, per_page)
+        return cls.create(num_layers, n, page_size, num_kv_heads, head_dim, dtype)
+
     @staticmethod
     def pages_for_budget(budget_bytes: int, bytes_per_page: int) -> int:
         """How many pages (null page included) fit in a memory budget."""

@@ -9,6 +9,23 @@ class RequestError(ValueError):
     """A caller's request that cannot be served (bad ids, too long, bad sampling values)."""
 
 
+class DuplicateRequest(RequestError):
+    """A request id that is already reserved or running here (ALREADY_EXISTS)."""
+
+
+class NoCapacity(Exception):
+    """No room for this work right now: KV pages, queue slots or batch rows are all taken.
+
+    The one capacity error of every tier (RESOURCE_EXHAUSTED on the wire): the caller may
+    retry later or elsewhere. `source` names what was full, for the router's own bookkeeping
+    (it carries the worker whose answer said so).
+    """
+
+    def __init__(self, message: str, source: object = None):
+        super().__init__(message)
+        self.source = source
+
+
 def check_prompt_ids(prompt: list[int], vocab_size: int, what: str = "prompt_token_ids") -> None:
     """RequestError unless prompt is a non-empty list of ids in [0, vocab_size)."""
     if not prompt:

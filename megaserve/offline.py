@@ -9,16 +9,19 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels.kv_cache import KVPool
-from kernels.xla_step import SamplingArrays, StepConfig, XlaRunner
 from megaserve.errors import RequestError, check_prompt_ids
+from megaserve.finish import FinishReason
 from megaserve.model import LoadedModel
-from megaserve.sampling_params import SamplingParams
+from megaserve.runner.batch import TokenBatch
+from megaserve.runner.buckets import StepConfig
+from megaserve.runner.factory import make_runner
+from megaserve.sampling_params import SamplingArrays, SamplingParams
 
 
 @dataclass(frozen=True)
 class GenerationResult:
     token_ids: list[int]
-    finish_reason: str  # "stop" (an EOS / stop id) or "length"
+    finish_reason: FinishReason  # STOP (an EOS / stop id) or LENGTH
 
 
 class OfflineGenerator:
@@ -48,15 +51,10 @@ class OfflineGenerator:
             model.params["embed"].dtype,
         )
         self.prefill_chunk = prefill_chunk
-        step_cfg = StepConfig(
-            max_pages_per_seq=pages_per_seq,
-            steps_per_call=steps_per_call,
-            token_buckets=tuple(b for b in (16, 32, 64, 128, 256, 512) if b <= prefill_chunk)
-            or (prefill_chunk,),
-        )
-        self.runner = XlaRunner(model.family, cfg, model.params, self.pool, step_cfg)
+        step_cfg = StepConfig.for_limits(1, prefill_chunk, pages_per_seq, steps_per_call)
+        self.runner = make_runner(model.family, cfg, model.params, self.pool, step_cfg, "xla")
         # A single sequence owns pages 1..N in order; page 0 is the null page.
-        self.page_table = np.arange(1, pages_per_seq + 1, dtype=np.int32)[None, :]
+        self.pages = np.arange(1, pages_per_seq + 1, dtype=np.int32)
 
     def validate(self, prompt_ids: list[int], max_new_tokens: int) -> None:
         check_prompt_ids(prompt_ids, self.model.cfg.vocab_size, "prompt")
@@ -69,9 +67,7 @@ class OfflineGenerator:
             )
 
     def _rows(self, sampling: SamplingParams, prompt: list[int], out: list[int]):
-        return SamplingArrays.build(
-            [sampling.as_row()], [(list(prompt), out)], self.model.cfg.vocab_size
-        )
+        return SamplingArrays.build([sampling], [(list(prompt), out)], self.model.cfg.vocab_size)
 
     def prefill(self, prompt_ids: list[int], sampling: SamplingParams) -> tuple[int, np.ndarray]:
         """Writes the prompt's KV chunk by chunk; returns (first sampled token, its logits)."""
@@ -79,8 +75,8 @@ class OfflineGenerator:
         ids = np.asarray(prompt_ids, np.int32)
         for start in range(0, len(ids), self.prefill_chunk):
             chunk = ids[start : start + self.prefill_chunk]
-            pos = np.arange(start, start + len(chunk), dtype=np.int32)
-            nxt, logits = self.runner.prefill(chunk[None], pos[None], self.page_table, rows)
+            batch = TokenBatch.from_rows([(chunk.tolist(), start, self.pages)])
+            nxt, logits = self.runner.prefill(batch, rows)
         return int(nxt[0]), logits[0]
 
     def stream(
@@ -102,12 +98,9 @@ class OfflineGenerator:
         pos = len(prompt_ids)  # position of `last`
         steps = self.runner.step_cfg.steps_per_call
         while last not in stops and count < max_new_tokens:
+            batch = TokenBatch.from_rows([([last], pos, self.pages)])
             toks, _ = self.runner.decode(
-                np.array([last], np.int32),
-                np.array([pos], np.int32),
-                self.page_table,
-                self._rows(sampling, prompt_ids, out),
-                n_steps=steps,
+                batch, self._rows(sampling, prompt_ids, out), n_steps=steps
             )
             for t in toks[: min(steps, max_new_tokens - count), 0].tolist():
                 count, last, pos = count + 1, int(t), pos + 1
@@ -126,4 +119,5 @@ class OfflineGenerator:
     ) -> GenerationResult:
         out = list(self.stream(prompt_ids, max_new_tokens, sampling, ignore_eos, stop_token_ids))
         stops = set(stop_token_ids) | (set() if ignore_eos else set(self.model.eos_token_ids))
-        return GenerationResult(out, "stop" if out[-1] in stops else "length")
+        reason = FinishReason.STOP if out[-1] in stops else FinishReason.LENGTH
+        return GenerationResult(out, reason)

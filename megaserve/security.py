@@ -97,7 +97,9 @@ class TLSConfig:
         try:
             ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(cert, key)
         except ssl.SSLError as e:
-            why = "does not match the certificate" if "VALUES_MISMATCH" in str(e) else "unusable"
+            # OpenSSL's reason code, not its message text.
+            mismatch = e.reason == "KEY_VALUES_MISMATCH"
+            why = "does not match the certificate" if mismatch else "unusable"
             raise TLSConfigError(
                 f"--tls-key {key}: {why} (--tls-cert {cert}; {e.reason or e})"
             ) from None

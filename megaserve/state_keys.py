@@ -28,7 +28,7 @@ def worker_blocks_key(worker_id: str) -> str:
 
 
 def block_hex(h: int) -> str:
-    """How a block hash (megaserve.block_hash) is written in the block sets."""
+    """How a block hash (megaserve.kv.block_hash) is written in the block sets."""
     return format(h, "016x")
 
 

@@ -11,15 +11,16 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from decode_service.page_allocator import OutOfPages, PageAllocator
 from kernels.kv_cache import KVPool
-from kernels.xla_step import SamplingArrays, StepConfig, XlaRunner
-from megaserve.block_hash import block_hashes
-from megaserve.errors import RequestError, check_prompt_ids
+from megaserve.errors import NoCapacity, RequestError, check_prompt_ids
+from megaserve.kv.allocator import PageAllocator
+from megaserve.kv.block_hash import block_hashes
+from megaserve.kv.pages import claim_pages, pages_for_tokens
 from megaserve.model import LoadedModel
-from megaserve.sampling_params import SamplingParams
+from megaserve.runner.batch import TokenBatch
+from megaserve.runner.buckets import StepConfig
+from megaserve.runner.factory import make_runner
+from megaserve.sampling_params import SamplingArrays, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -29,10 +30,6 @@ class PrefillConfig:
     max_context: int = 4096
     chunk: int = 256  # tokens per row per prefill program; pages are sent after each chunk
     max_batch: int = 8  # prompts sharing one prefill program
-
-
-class PoolFull(Exception):
-    """No pages for this prompt right now (RESOURCE_EXHAUSTED; retry or prefill elsewhere)."""
 
 
 @dataclass
@@ -64,28 +61,23 @@ class PrefillEngine:
     def __init__(self, model: LoadedModel, cfg: PrefillConfig = PrefillConfig()):
         self.model, self.cfg = model, cfg
         mc = model.cfg
-        probe = KVPool.create(mc.num_layers, 2, cfg.page_size, mc.num_kv_heads, mc.head_dim)
-        n = KVPool.pages_for_budget(cfg.kv_budget_bytes, probe.bytes_per_page)
-        self.pool = KVPool.create(
+        self.pool = KVPool.for_budget(
             mc.num_layers,
-            n,
             cfg.page_size,
             mc.num_kv_heads,
             mc.head_dim,
+            cfg.kv_budget_bytes,
             model.params["embed"].dtype,
         )
-        self.alloc = PageAllocator(n, cfg.page_size)
+        self.alloc = PageAllocator(self.pool.num_pages, cfg.page_size)
         self.max_pages = math.ceil(cfg.max_context / cfg.page_size)
-        buckets = tuple(b for b in (16, 32, 64, 128, 256, 512) if b < cfg.chunk) + (cfg.chunk,)
-        batch = tuple(b for b in (1, 2, 4, 8, 16, 32) if b < cfg.max_batch) + (cfg.max_batch,)
-        self.runner = XlaRunner(
+        self.runner = make_runner(
             model.family,
             mc,
             model.params,
             self.pool,
-            StepConfig(
-                batch_buckets=batch, token_buckets=buckets, max_pages_per_seq=self.max_pages
-            ),
+            StepConfig.for_limits(cfg.max_batch, cfg.chunk, self.max_pages),
+            backend="xla",  # prefill programs are XLA on every backend today
         )
         self._queue: queue.Queue[_Job] = queue.Queue()
         self._active: list[_Job] = []
@@ -114,7 +106,7 @@ class PrefillEngine:
         Blocks until done; safe from any thread.
         """
         self.validate(prompt)
-        n_pages = -(-len(prompt) // self.cfg.page_size)
+        n_pages = pages_for_tokens(len(prompt), self.cfg.page_size)
         if not 0 <= skip_pages <= n_pages:
             raise RequestError(f"cached_pages={skip_pages} outside [0, {n_pages}]")
         if not 0 <= resumed < len(prompt):
@@ -142,19 +134,27 @@ class PrefillEngine:
                     self._active = []
 
     def _admit(self, job: _Job) -> None:
-        ps = self.cfg.page_size
-        hashes = block_hashes(job.prompt[: len(job.prompt) - 1], ps)
-        hit = self.alloc.match_prefix(hashes)
-        self.alloc.acquire(hit)
         try:
-            job.pages = hit + self.alloc.allocate(-(-len(job.prompt) // ps) - len(hit))
-        except OutOfPages as e:
-            self.alloc.release(hit)
-            job.future.set_exception(PoolFull(f"prefill pool: {e}; retry"))
+            job.pages, hit = claim_pages(self.alloc, job.prompt)
+        except NoCapacity as e:
+            job.future.set_exception(NoCapacity(f"prefill pool: {e}; retry"))
             return
-        job.hit, job.done, job.sent = len(hit), len(hit) * ps, job.skip_pages
+        job.hit, job.done, job.sent = hit, hit * self.cfg.page_size, job.skip_pages
         job.started = time.perf_counter()
         self._active.append(job)
+
+    def stats(self) -> dict:
+        """Load and pool counters (safe from any thread; read by the heartbeat)."""
+        a = self.alloc
+        return {
+            "total_pages": a.num_pages - 1,
+            "available_pages": a.num_available,
+            "active": len(self._active),
+            "queued": self._queue.qsize(),
+            "page_size": a.page_size,
+            "batched_calls": self.batched_calls,
+            "rows_computed": self.rows_computed,
+        }
 
     def _step(self) -> None:
         ps, chunk = self.cfg.page_size, self.cfg.chunk
@@ -163,24 +163,18 @@ class PrefillEngine:
         for job in jobs:
             start = min(job.done, len(job.prompt) - 1)  # always recompute at least the last
             rows.append((start, job.prompt[start : start + chunk]))
-        t = max(len(r[1]) for r in rows)
-        tokens = np.zeros((len(jobs), t), np.int32)
-        positions = np.full((len(jobs), t), -1, np.int32)
-        width = max(len(j.pages) for j in jobs)
-        table = np.zeros((len(jobs), width), np.int32)
-        for i, (job, (start, toks)) in enumerate(zip(jobs, rows)):
-            tokens[i, : len(toks)] = toks
-            positions[i, : len(toks)] = np.arange(start, start + len(toks))
-            table[i, : len(job.pages)] = job.pages
+        batch = TokenBatch.from_rows(
+            [(toks, start, j.pages) for j, (start, toks) in zip(jobs, rows)]
+        )
         sampling = SamplingArrays.build(
-            [j.sampling.as_row() for j in jobs],
+            [j.sampling for j in jobs],
             [
                 (j.prompt[: len(j.prompt) - j.resumed], j.prompt[len(j.prompt) - j.resumed :])
                 for j in jobs
             ],
             self.model.cfg.vocab_size,
         )
-        nxt, _ = self.runner.prefill(tokens, positions, table, sampling)
+        nxt, _ = self.runner.prefill(batch, sampling)
         self.batched_calls += 1
         self.rows_computed += len(jobs)
         still = []

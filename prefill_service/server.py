@@ -8,59 +8,21 @@ import time
 import grpc
 import numpy as np
 import structlog
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
-from decode_service.server import sampling_from_proto
-from megaserve.errors import RequestError
+from megaserve.errors import NoCapacity, RequestError
+from megaserve.grpc_server import start_serving
+from megaserve.kv import wire
+from megaserve.kv.pages import pages_for_tokens
 from megaserve.rpc import kv_transfer_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from megaserve.sampling_params import SamplingParams
 from megaserve.security import TLSConfig, add_port, aio_channel
-from prefill_service import kv_sender
-from prefill_service.engine import PoolFull, PrefillEngine
+from megaserve.status import Reason, abort, abort_for, reason_of
+from prefill_service.engine import PrefillEngine
+from prefill_service.metrics import PrefillMetrics
 
 SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
 log = structlog.get_logger("megaserve.prefill")
 _DONE = object()
-
-
-class PrefillMetrics:
-    """Prometheus metrics of a prefill worker (one registry per worker)."""
-
-    def __init__(self, model_name: str):
-        from prometheus_client import CollectorRegistry, Counter, Histogram
-
-        self.registry = r = CollectorRegistry()
-        lab = {"model_name": model_name}
-        self.bytes = Counter(
-            "megaserve:kv_transfer_sent_bytes",
-            "KV payload bytes sent.",
-            labelnames=list(lab),
-            registry=r,
-        ).labels(**lab)
-        self.failures = Counter(
-            "megaserve:kv_transfer_failures",
-            "Pushes the decode worker refused or that broke off.",
-            labelnames=list(lab),
-            registry=r,
-        ).labels(**lab)
-        self.compute = Histogram(
-            "megaserve:prefill_compute_seconds",
-            "Prefill compute.",
-            labelnames=list(lab),
-            registry=r,
-        ).labels(**lab)
-        self.transfer = Histogram(
-            "megaserve:kv_transfer_seconds",
-            "First chunk sent to commit.",
-            labelnames=list(lab),
-            registry=r,
-        ).labels(**lab)
-
-    def serve(self, port: int, addr: str = "127.0.0.1") -> int:
-        from prometheus_client import start_http_server
-
-        server, _ = start_http_server(port, addr=addr, registry=self.registry)
-        return server.server_address[1]
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
@@ -91,24 +53,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 raise RequestError(
                     f"page_size={request.page_size}, this worker uses {self.engine.cfg.page_size}"
                 )
-            sampling = sampling_from_proto(request.sampling)
+            sampling = SamplingParams.from_proto(request.sampling)
             prompt = list(request.prompt_token_ids)
             self.engine.validate(prompt)
         except RequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        n_pages = -(-len(prompt) // self.engine.cfg.page_size)
+            await abort_for(context, e)
+        n_pages = pages_for_tokens(len(prompt), self.engine.cfg.page_size)
         cached = request.cached_pages
         outbox: asyncio.Queue = asyncio.Queue()
-        mc = self.engine.model.cfg
-        outbox.put_nowait(
-            kv_sender.header(
-                request.request_id,
-                mc.num_layers,
-                cached,
-                n_pages - cached,
-                str(self.engine.pool.k.dtype),
-            )
-        )
+        geo = wire.PageGeometry.of_pool(self.engine.pool)
+        outbox.put_nowait(wire.header(request.request_id, geo, cached, n_pages - cached))
         stamps: dict[str, float] = {}
         sent = {"pages": 0, "bytes": 0}
 
@@ -117,10 +71,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         def on_pages(first: int, k, v) -> None:  # prefill thread: hand chunks to the loop
             stamps.setdefault("first_chunk", time.perf_counter())
             if use_jax:
-                msgs = [kv_sender.pull_message(first, k, v)]
+                msgs = [wire.pull_message(first, k, v)]
                 sent["bytes"] += 2 * k.nbytes
             else:
-                msgs = list(kv_sender.chunk_messages(first, np.asarray(k), np.asarray(v)))
+                msgs = list(wire.chunk_messages(first, np.asarray(k), np.asarray(v)))
                 sent["bytes"] += sum(len(m.chunk.data) for m in msgs)
             for msg in msgs:
                 loop.call_soon_threadsafe(outbox.put_nowait, msg)
@@ -143,16 +97,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             result = await asyncio.to_thread(
                 self.engine.prefill, prompt, sampling, cached, on_pages, request.resumed_tokens
             )
-        except (RequestError, PoolFull) as e:
+        except (RequestError, NoCapacity) as e:
             call.cancel()  # the decode side frees the reservation when the stream breaks
             writing.cancel()
-            code = (
-                grpc.StatusCode.RESOURCE_EXHAUSTED
-                if isinstance(e, PoolFull)
-                else grpc.StatusCode.INVALID_ARGUMENT
-            )
-            await context.abort(code, str(e))
-        outbox.put_nowait(kv_sender.trailer(result.first_token))
+            await abort_for(context, e)
+        outbox.put_nowait(wire.trailer(result.first_token))
         outbox.put_nowait(_DONE)
         try:
             await call
@@ -160,7 +109,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self.transfer_failures += 1
             self.metrics.failures.inc()
             writing.cancel()
-            await context.abort(e.code(), f"decode worker refused the KV: {e.details()}")
+            await abort(
+                context,
+                e.code(),
+                Reason.KV_HANDOFF_FAILED,
+                f"decode worker refused the KV: {e.details()}",
+                decode_reason=str(reason_of(e) or ""),
+            )
         await writing
         t_end = time.perf_counter()
         self.bytes_sent += sent["bytes"]
@@ -196,13 +151,6 @@ async def create_server(
     server = grpc.aio.server()
     servicer = PrefillServicer(engine, tls)
     prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
     port = add_port(server, address, tls)
-    await server.start()
-    for name in ("", SERVICE):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_servicer = await start_serving(server, (SERVICE,))
     return server, port, health_servicer, servicer

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -17,15 +18,16 @@ class _Breaker:
 class CircuitBreakers:
     """closed -> (N consecutive failures) -> open -> (reset_s) -> half-open -> closed | open."""
 
-    def __init__(self, failures: int, reset_s: float):
+    def __init__(self, failures: int, reset_s: float, clock: Callable[[], float] = time.monotonic):
         self.threshold, self.reset_s = failures, reset_s
+        self.clock = clock  # seconds, monotonic; tests inject a fake one
         self._b: dict[str, _Breaker] = {}
 
     def allows(self, worker_id: str) -> bool:
         b = self._b.get(worker_id)
         if b is None or b.opened_at is None:
             return True
-        now = time.monotonic()
+        now = self.clock()
         if now - b.opened_at < self.reset_s:
             return False
         # One probe at a time; one that never reports back (its try failed elsewhere, or the
@@ -36,7 +38,7 @@ class CircuitBreakers:
         """A request goes to worker_id; if its breaker is open, that request is the probe."""
         b = self._b.get(worker_id)
         if b is not None and b.opened_at is not None:
-            b.probing, b.probe_at = True, time.monotonic()
+            b.probing, b.probe_at = True, self.clock()
 
     def abandon(self, worker_id: str) -> None:
         """The probe's try ended without a verdict on this worker (another worker failed, the
@@ -52,7 +54,7 @@ class CircuitBreakers:
         b = self._b.setdefault(worker_id, _Breaker())
         b.failures += 1
         if b.probing or b.failures >= self.threshold:
-            b.opened_at, b.probing = time.monotonic(), False
+            b.opened_at, b.probing = self.clock(), False
 
     def is_open(self, worker_id: str) -> bool:
         b = self._b.get(worker_id)

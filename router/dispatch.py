@@ -16,28 +16,19 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from megaserve.rpc import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from megaserve.errors import NoCapacity
+from megaserve.finish import FinishReason
+from megaserve.kv.pages import pages_for_tokens
+from megaserve.rpc import decode_pb2, prefill_pb2
 from router.circuit import CircuitBreakers
 from router.config import RouterConfig
 from router.frontend import Job, RouterError
 from router.policies import RouteRequest, make_policy
 from router.policies.round_robin import RoundRobin
 from router.state import ClusterState, Session, WorkerView
+from router.workers import HandoffFailed, WorkerClients, WorkerFailed, classify, handoff
 
 log = structlog.get_logger("megaserve.router")
-
-# Codes that mean "this worker (or the path to it) failed", not "this request is bad".
-_WORKER_FAILED = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.ABORTED,
-}
-_FINISH = {
-    decode_pb2.FINISH_REASON_STOP: "stop",
-    decode_pb2.FINISH_REASON_LENGTH: "length",
-}
 
 
 @dataclass
@@ -45,21 +36,9 @@ class Chunk:
     """Tokens from one worker message, in the public request's terms."""
 
     token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | None
+    finish_reason: FinishReason | None
     cached_tokens: int = 0  # set on the request's first chunk
     worker_id: str = ""
-
-
-class WorkerFailed(Exception):
-    def __init__(self, worker: WorkerView, why: str):
-        super().__init__(f"{worker.id} ({worker.address}): {why}")
-        self.worker = worker
-
-
-class WorkerBusy(Exception):
-    def __init__(self, worker: WorkerView, why: str):
-        super().__init__(f"{worker.id}: {why}")
-        self.worker = worker
 
 
 class Dispatcher:
@@ -71,24 +50,18 @@ class Dispatcher:
         self.prefill_policy = make_policy(cfg.prefill_policy, cfg)
         self.fallback = RoundRobin()  # while Redis is down: the last view, no load data
         self.breakers = CircuitBreakers(cfg.circuit_breaker_failures, cfg.circuit_breaker_reset_s)
-        self._channel_factory = channel_factory or (
-            lambda addr: grpc.aio.insecure_channel(
-                addr, options=[("grpc.max_send_message_length", 64 << 20)]
-            )
-        )
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.clients = WorkerClients(channel_factory)
         self._background: set[asyncio.Task] = set()
         self.stats = {"migrations": 0, "retries": 0, "disaggregated": 0, "colocated": 0}
 
-    def channel(self, address: str) -> grpc.aio.Channel:
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = self._channels[address] = self._channel_factory(address)
-        return ch
+    async def drain(self) -> None:
+        """Waits for the background Releases of finished attempts (shutdown, tests)."""
+        while self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
 
     async def close(self) -> None:
-        for ch in self._channels.values():
-            await ch.close()
+        await self.drain()
+        await self.clients.close()
 
     # -- placement ---------------------------------------------------------------------
     def _candidates(self, role: str, job: Job, exclude: set[str]) -> list[WorkerView]:
@@ -154,11 +127,12 @@ class Dispatcher:
                     if c.finish_reason:
                         return
                 raise WorkerFailed(d, "stream ended without a finish reason")
-            except (WorkerFailed, WorkerBusy) as e:
-                busy = isinstance(e, WorkerBusy)
+            except (WorkerFailed, NoCapacity) as e:
+                busy = isinstance(e, NoCapacity)
+                worker = e.source if busy else e.worker
                 if not busy:
-                    self.breakers.failure(e.worker.id)
-                failed.add(e.worker.id)
+                    self.breakers.failure(worker.id)
+                failed.add(worker.id)
                 if len(generated) > n_before:
                     # A stream that had delivered tokens broke: move it on at once (the client
                     # is mid-stream). Failures placing the rest (a dead worker's Reserve, a
@@ -203,17 +177,6 @@ class Dispatcher:
             raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
         return left
 
-    def _fail(self, worker: WorkerView, e: grpc.aio.AioRpcError, what: str) -> Exception:
-        """Classifies a worker's error: its failure, its fullness, or the request's fault."""
-        code = e.code()
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return RouterError(code, f"deadline exceeded during {what}")
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            return WorkerBusy(worker, f"{what}: {e.details()}")
-        if code in _WORKER_FAILED:
-            return WorkerFailed(worker, f"{what}: {code.name} {e.details()}")
-        return RouterError(code, e.details() or f"{what} failed with {code.name}")
-
     def _use_prefill_tier(self, d: WorkerView, prompt: list[int], job: Job, failed) -> list:
         """Prefill workers to use for this prompt, or [] to prefill on the decode worker."""
         uncached = len(prompt) - d.cached_prefix_blocks(prompt) * d.info.page_size
@@ -234,7 +197,7 @@ class Dispatcher:
         # worker-side leftovers, can never touch the next try's request.
         rid = f"{job.request_id}#{try_no}.{len(generated)}"
         remaining = job.max_tokens - len(generated)
-        dec = decode_pb2_grpc.DecodeStub(self.channel(d.address))
+        dec = self.clients.decode(d.address)
         stopping = decode_pb2.StoppingParams(
             max_tokens=remaining, stop_token_ids=job.stop_token_ids, ignore_eos=job.ignore_eos
         )
@@ -248,7 +211,7 @@ class Dispatcher:
         prefillers = self._use_prefill_tier(d, prompt, job, failed)
         # Pages this request adds: its prefix hits are shared with whoever cached them.
         cached = d.cached_prefix_blocks(prompt)
-        pages = -(-(len(prompt) + remaining) // d.info.page_size) - cached
+        pages = pages_for_tokens(len(prompt) + remaining, d.info.page_size) - cached
         # Later requests with this prefix count it as there from now on (before any heartbeat).
         d.expect_blocks(prompt)
         log.info(
@@ -277,12 +240,12 @@ class Dispatcher:
                     answered = True
                     yield Chunk(
                         list(r.token_ids),
-                        _FINISH.get(r.finish_reason),
+                        FinishReason.from_decode_proto(r.finish_reason),
                         r.cached_tokens,
                         d.id,
                     )
             except grpc.aio.AioRpcError as e:
-                raise self._fail(d, e, "decode stream") from e
+                raise classify(d, e, "decode stream") from e
         finally:
             # A probe of d that ends here without a verdict must not block d; a failure of d
             # recorded after this still reopens its breaker (its failure count stays).
@@ -294,35 +257,17 @@ class Dispatcher:
             if reserved and not answered:
                 # Cancelled (or failed) between Reserve and the first token: the decode worker
                 # may hold the reservation, KV included. Free it now, even while cancelled.
-                self._spawn(self._release(d, rid))
+                self._spawn(self.clients.release(d.address, rid))
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _release(self, d: WorkerView, rid: str) -> None:
-        dec = decode_pb2_grpc.DecodeStub(self.channel(d.address))
-        try:
-            await dec.Release(decode_pb2.ReleaseRequest(request_id=rid), timeout=5.0)
-        except grpc.aio.AioRpcError:
-            pass  # NOT_FOUND: already attached, finished or freed; UNAVAILABLE: worker gone
-
     async def _prefill_into(
         self, d: WorkerView, p: WorkerView, rid: str, prompt, job: Job, resumed: int, deadline
     ) -> None:
         """Reserve on the decode worker, prefill on p into that reservation."""
-        dec = decode_pb2_grpc.DecodeStub(self.channel(d.address))
-        try:
-            res = await dec.Reserve(
-                decode_pb2.ReserveRequest(
-                    request_id=rid, prompt_token_ids=prompt, lease_ms=self.cfg.reservation_lease_ms
-                ),
-                timeout=self._timeout(deadline),
-            )
-        except grpc.aio.AioRpcError as e:
-            raise self._fail(d, e, "reserve") from e
-        pre = prefill_pb2_grpc.PrefillStub(self.channel(p.address))
         transport = (
             prefill_pb2.TRANSPORT_JAX_TRANSFER
             if self.cfg.transport == "jax_transfer"
@@ -330,29 +275,22 @@ class Dispatcher:
         )
         p.inflight += 1
         try:
-            await pre.Prefill(
-                prefill_pb2.PrefillRequest(
-                    request_id=rid,
-                    prompt_token_ids=prompt,
-                    sampling=job.sampling,
-                    decode_address=d.address,
-                    cached_pages=res.cached_pages,
-                    page_size=res.page_size,
-                    transport=transport,
-                    resumed_tokens=resumed,
-                ),
-                timeout=self._timeout(deadline),
+            await handoff(
+                self.clients,
+                d.address,
+                p.address,
+                rid,
+                prompt,
+                job.sampling,
+                lease_ms=self.cfg.reservation_lease_ms,
+                transport=transport,
+                resumed=resumed,
+                timeout=lambda: self._timeout(deadline),
             )
             p.expect_blocks(prompt)
             self.breakers.success(p.id)
-        except (grpc.aio.AioRpcError, RouterError) as e:
-            await self._release(d, rid)  # give the pages back now rather than at lease expiry
-            if isinstance(e, RouterError):
-                raise
-            if "decode worker refused the KV" in (e.details() or ""):
-                # The push to the decode worker broke (it died, or lost the reservation).
-                raise WorkerFailed(d, f"KV hand-off: {e.details()}") from e
-            raise self._fail(p, e, "prefill") from e
+        except HandoffFailed as e:
+            raise classify(d if e.at_decode else p, e.error, e.stage) from e
         finally:
             self.breakers.abandon(p.id)  # no-op after a verdict; else the next may probe
             p.inflight -= 1

@@ -6,7 +6,6 @@ offending field and value; nothing here touches a worker.
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass
 
@@ -14,7 +13,9 @@ import grpc
 import jinja2
 
 from megaserve.checkpoint import TokenizerInfo
+from megaserve.errors import RequestError
 from megaserve.rpc import decode_pb2
+from megaserve.sampling_params import SamplingParams
 from megaserve.v1 import generation_pb2 as pb
 from router.stop_strings import StopStringMatcher
 
@@ -112,35 +113,16 @@ def prompt_ids(req, model: TokenizerInfo, max_context: int | None = None) -> lis
     return ids
 
 
-def _in(name: str, v: float, lo: float, hi: float) -> None:
-    if not (math.isfinite(v) and lo <= v <= hi):
-        raise invalid(f"sampling.{name}={v} must be in [{lo}, {hi}]")
-
-
 def sampling(p: pb.SamplingParams) -> decode_pb2.SamplingParams:
-    if not (math.isfinite(p.temperature) and p.temperature >= 0):
-        raise invalid(f"sampling.temperature={p.temperature} must be finite and >= 0")
-    _in("top_p", p.top_p, 0.0, 1.0)
-    _in("min_p", p.min_p, 0.0, 1.0)
-    if p.top_k < 0:
-        raise invalid(f"sampling.top_k={p.top_k} must be >= 0 (0 disables)")
-    _in("presence_penalty", p.presence_penalty, -2.0, 2.0)
-    _in("frequency_penalty", p.frequency_penalty, -2.0, 2.0)
-    _in("repetition_penalty", p.repetition_penalty, 0.0, 10.0)
+    """The public sampling fields validated (errors name `sampling.<field>`), as every worker
+    attempt receives them."""
     # A fixed seed per request keeps a migrated request's samples equal to an uninterrupted run.
     seed = p.seed if p.HasField("seed") else random.getrandbits(32)
-    if seed >= 2**32:
-        raise invalid(f"sampling.seed={seed} must be in [0, 2**32)")
-    return decode_pb2.SamplingParams(
-        temperature=p.temperature,
-        top_k=p.top_k,
-        top_p=p.top_p,
-        min_p=p.min_p,
-        seed=seed,
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty,
-    )
+    try:
+        params = SamplingParams.from_proto(p, seed=seed, prefix="sampling.")
+    except RequestError as e:
+        raise invalid(str(e)) from None
+    return params.to_proto(decode_pb2.SamplingParams)
 
 
 def parse_generate(

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import signal
 
 import structlog
 
 from megaserve.checkpoint import load_tokenizer
+from megaserve.grpc_server import serve_until_signal
 from megaserve.security import (
     TOKEN_ENV,
     BearerTokenInterceptor,
@@ -99,15 +99,13 @@ async def serve(a) -> None:
         mtls_to_workers=bool(tls and tls.ca),
         token=bool(interceptors),
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await health.enter_graceful_shutdown()
-    await server.stop(5.0)  # streams in flight get a grace period
-    await servicer.dispatcher.close()
-    await state.stop()
+
+    async def stop() -> None:
+        await server.stop(5.0)
+        await servicer.dispatcher.close()
+        await state.stop()
+
+    await serve_until_signal(health, stop)
 
 
 def main(a) -> int:

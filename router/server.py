@@ -12,10 +12,10 @@ import uuid
 import grpc
 import structlog
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from megaserve.checkpoint import TokenizerInfo
+from megaserve.finish import FinishReason
+from megaserve.grpc_server import start_serving
 from megaserve.v1 import generation_pb2 as pb
 from megaserve.v1 import generation_pb2_grpc as pb_grpc
 from router.config import RouterConfig
@@ -27,11 +27,6 @@ from router.stop_strings import StopStringMatcher
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 log = structlog.get_logger("megaserve.router")
-_FINISH = {
-    "stop": pb.FINISH_REASON_STOP,
-    "length": pb.FINISH_REASON_LENGTH,
-    "stop_string": pb.FINISH_REASON_STOP_STRING,
-}
 # An in-flight id is held in Redis at most this long (a crashed router's ids expire).
 INFLIGHT_TTL_S = 3600.0
 
@@ -150,11 +145,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                         usage.cached_tokens = c.cached_tokens
                     usage.completion_tokens += len(c.token_ids)
                     new, stopped = text.push(c.token_ids, c.finish_reason is not None)
-                    reason = "stop_string" if stopped else c.finish_reason
+                    reason = FinishReason.STOP_STRING if stopped else c.finish_reason
                     yield pb.GenerateResponse(
                         token_ids=c.token_ids,
                         text=new,
-                        finish_reason=_FINISH.get(reason, pb.FINISH_REASON_UNSPECIFIED),
+                        finish_reason=(
+                            reason.to_public_proto() if reason else pb.FINISH_REASON_UNSPECIFIED
+                        ),
                         usage=usage,
                         request_id=job.request_id,
                     )
@@ -224,11 +221,6 @@ async def create_server(
     server = grpc.aio.server(interceptors=list(interceptors))
     servicer = GenerationServicer(models, state, cfg, channel_factory=channel_factory)
     add_generation_servicer(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
     port = (
         server.add_secure_port(address, server_credentials)
         if server_credentials
@@ -237,7 +229,5 @@ async def create_server(
     if port == 0:
         raise OSError(f"cannot bind {address}")
     await state.start()
-    await server.start()
-    for name in ("", SERVICE):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_servicer = await start_serving(server, (SERVICE,))
     return server, port, health_servicer, servicer

@@ -15,7 +15,7 @@ import redis
 import redis.asyncio as aredis
 import structlog
 
-from megaserve.block_hash import block_hashes
+from megaserve.kv.block_hash import block_hashes
 from megaserve.state_keys import (
     WorkerInfo,
     block_hex,

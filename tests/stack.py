@@ -85,8 +85,66 @@ class Stack(Cluster):
         for p in [*ws, router]:
             p.wait_ready()
         self.wait_registered([*decode, *prefill])
-        time.sleep(0.6)  # the router's view refreshes every 200 ms
+        wait_router_view(router.address, len(decode), len(prefill))
         return router
+
+    def wait_addresses(self, ids, timeout: float = 120.0) -> None:
+        """Until Redis holds each worker's current address (a restarted worker re-registered,
+        not its dead predecessor's record still within its TTL)."""
+        import redis
+
+        from megaserve.state_keys import worker_key
+
+        r = redis.Redis.from_url(self.redis_url)
+        end = time.monotonic() + timeout
+        while True:
+            seen = {i: r.hget(worker_key(i), "address") for i in ids}
+            if all(a is not None and a.decode() == self.procs[i].address for i, a in seen.items()):
+                return
+            if time.monotonic() > end:
+                want = {i: self.procs[i].address for i in ids}
+                raise TimeoutError(f"registered addresses {seen} != {want} after {timeout} s")
+            time.sleep(0.1)
+
+
+def wait_router_view(address: str, decode: int, prefill: int, timeout: float = 60.0) -> None:
+    """Polls the router's ListModels until its view (refreshed from Redis every
+    state_refresh_ms) counts `decode` and `prefill` workers for its one model."""
+    import grpc
+
+    from megaserve.v1 import generation_pb2 as pb
+    from megaserve.v1 import generation_pb2_grpc as pbg
+
+    end = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as ch:
+        stub = pbg.GenerationStub(ch)
+        while True:
+            models = stub.ListModels(pb.ListModelsRequest(), timeout=30).models
+            seen = [(m.name, m.decode_workers, m.prefill_workers) for m in models]
+            if len(seen) == 1 and seen[0][1:] == (decode, prefill):
+                return
+            if time.monotonic() > end:
+                raise TimeoutError(
+                    f"router {address} sees {seen}, not {decode} decode and {prefill} prefill "
+                    f"workers, after {timeout} s"
+                )
+            time.sleep(0.1)
+
+
+def decode_counters(st, workers) -> dict[str, int]:
+    """Summed over the decode workers: requests imported from the prefill tier, prompt
+    tokens the decode workers computed themselves, and Generate calls."""
+    from megaserve_app.launch import worker_stats
+
+    stats = [worker_stats(st.procs[w].address) for w in workers]
+    return {
+        k: sum(getattr(s, k) for s in stats)
+        for k in ("imported_requests", "prefill_tokens", "requests")
+    }
+
+
+def counters_moved(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before[k] for k in before}
 
 
 def tokens_equal_report(a: list[int], b: list[int]) -> str:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import redis
 
-from decode_service.page_allocator import PageAllocator
-from megaserve.block_hash import block_hashes
+from megaserve.kv.allocator import PageAllocator
+from megaserve.kv.block_hash import block_hashes
 from megaserve.registration import Heartbeat
 from megaserve.state_keys import WorkerInfo, block_hex, worker_blocks_key
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from decode_service.engine import DecodeEngine, EngineConfig, TokenEvent
+from decode_service.engine import DecodeEngine, EngineConfig
+from decode_service.events import TokenEvent
 from decode_service.scheduler import SchedulerConfig
 from decode_service.sequence import Sequence
 from megaserve.offline import OfflineGenerator
@@ -89,7 +90,7 @@ def test_admission_does_not_stall_running_streams(tiny_model):
 
 
 def test_full_queue_is_refused_and_nothing_leaks(tiny_model):
-    from decode_service.engine import Full
+    from megaserve.errors import NoCapacity as Full
 
     engine = DecodeEngine(
         tiny_model,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import numpy as np
@@ -48,9 +49,27 @@ def _req(rid, prompt, max_tokens, sp=None, **stop):
 
 
 def _assert_pool_clean(engine):
-    wait_idle(engine)
+    wait_idle(engine, timeout=120)
     engine.alloc.check_invariants()
     assert engine.alloc.all_free_or_cached()
+
+
+def expire_lease(engine, request_id: str) -> None:
+    """Ends a reservation's lease now, on the engine thread (the allocator's owner): its next
+    iteration drops it exactly as when the lease runs out, so tests need no short leases."""
+
+    def end():
+        engine.reservations[request_id].expires = float("-inf")
+
+    engine._call(end)
+
+
+async def until(pred, what: str, timeout: float = 60.0) -> None:
+    """Polls (async) pred until true; a generous deadline, not a timing claim."""
+    end = time.monotonic() + timeout
+    while not await pred():
+        assert time.monotonic() < end, f"not within {timeout} s: {what}"
+        await asyncio.sleep(0.01)
 
 
 def test_64_concurrent_streams_equal_solo(worker, tiny_model):
@@ -188,13 +207,15 @@ def test_health_and_stats(worker):
 
 def test_reservation_without_kv_expires_and_frees(worker):
     engine, addr = worker
+    expired = engine.expired_reservations
 
     async def main():
         async with grpc.aio.insecure_channel(addr) as ch:
             stub = decode_pb2_grpc.DecodeStub(ch)
+            # A lease every RPC below fits in, however slow the machine; then it is ended.
             r = await stub.Reserve(
                 decode_pb2.ReserveRequest(
-                    request_id="res1", prompt_token_ids=list(range(40)), lease_ms=200
+                    request_id="res1", prompt_token_ids=list(range(40)), lease_ms=600_000
                 )
             )
             assert r.total_pages == 3 and r.page_size == 16
@@ -205,9 +226,14 @@ def test_reservation_without_kv_expires_and_frees(worker):
                     decode_pb2.ReserveRequest(request_id="res1", prompt_token_ids=[1])
                 )
             assert ei.value.code() == grpc.StatusCode.ALREADY_EXISTS
-            await asyncio.sleep(0.5)
-            s = await stub.Stats(decode_pb2.StatsRequest())
-            assert s.reserved == 0
+            assert engine.expired_reservations == expired  # nothing expired yet
+            expire_lease(engine, "res1")
+
+            async def gone():
+                return (await stub.Stats(decode_pb2.StatsRequest())).reserved == 0
+
+            await until(gone, "the expired reservation dropped")
+            assert engine.expired_reservations == expired + 1
             # An explicit release frees at once.
             await stub.Reserve(
                 decode_pb2.ReserveRequest(request_id="res2", prompt_token_ids=[1, 2, 3])
@@ -216,7 +242,7 @@ def test_reservation_without_kv_expires_and_frees(worker):
             assert (await stub.Stats(decode_pb2.StatsRequest())).reserved == 0
 
     asyncio.run(main())
-    assert engine.expired_reservations >= 1
+    assert engine.expired_reservations == expired + 1  # res2 was released, not expired
     _assert_pool_clean(engine)
 
 

@@ -5,6 +5,7 @@ real processes only hit by chance. Each try must be a fresh request id on the wo
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import grpc
@@ -15,6 +16,7 @@ from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.frontend import Job
 from router.state import ClusterState, WorkerView
+from tests.conftest import FakeClock
 
 PROMPT = list(range(3, 83))  # 80 tokens: over disagg_min_uncached_tokens, so prefill is used
 N = 12
@@ -22,10 +24,11 @@ N = 12
 
 class ScriptedDecode(decode_pb2_grpc.DecodeServicer):
     """Like a decode worker: Release frees a reservation or stops a running request by id.
-    The first Generate breaks after 3 tokens (the worker's stream fails)."""
+    The first Generate breaks after 3 tokens (the worker's stream fails); with `hold_first`,
+    the first Generate instead waits on that event after its first token."""
 
-    def __init__(self, break_first: bool = True):
-        self.break_first = break_first
+    def __init__(self, break_first: bool = True, hold_first: asyncio.Event | None = None):
+        self.break_first, self.hold_first = break_first, hold_first
         self.reserved, self.generated, self.released = [], [], []
         self.live: dict[str, asyncio.Event] = {}
 
@@ -42,14 +45,16 @@ class ScriptedDecode(decode_pb2_grpc.DecodeServicer):
     async def Generate(self, req, ctx):
         self.generated.append(req.request_id)
         released = self.live[req.request_id] = asyncio.Event()
-        first_call = self.break_first and len(self.generated) == 1
+        first_call = len(self.generated) == 1
         try:
             for i in range(req.stopping.max_tokens):
                 await asyncio.sleep(0.02)
+                if first_call and self.hold_first is not None and i == 1:
+                    await self.hold_first.wait()
                 if released.is_set():
                     rid = req.request_id
                     await ctx.abort(grpc.StatusCode.CANCELLED, f"request {rid!r} released")
-                if first_call and i == 3:
+                if first_call and self.break_first and i == 3:
                     await ctx.abort(grpc.StatusCode.UNAVAILABLE, "stream broke")
                 pos = req.resumed_tokens + i
                 last = i == req.stopping.max_tokens - 1
@@ -88,6 +93,14 @@ async def _collect(disp: Dispatcher, job: Job) -> list[int]:
     return [t async for c in disp.run(job, deadline=None) for t in c.token_ids]
 
 
+async def _until(pred, what: str, timeout: float = 60.0) -> None:
+    """Polls pred on the event loop until true; a generous deadline, not a timing claim."""
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, f"not within {timeout} s: {what}"
+        await asyncio.sleep(0.01)
+
+
 async def _scenario():
     decode, prefill = ScriptedDecode(), ScriptedPrefill()
     server = grpc.aio.server()
@@ -101,7 +114,8 @@ async def _scenario():
     disp = Dispatcher(state, cfg)
     try:
         tokens = await _collect(disp, _job("req"))
-        await asyncio.sleep(0.3)  # background Releases of failed tries land
+        # The background Releases of failed tries have all landed.
+        await disp.drain()  # the dispatcher's background Releases
         return tokens, decode, prefill, disp
     finally:
         await disp.close()
@@ -124,7 +138,8 @@ def test_every_try_is_a_fresh_request_and_releases_only_touch_failed_tries():
 
 
 async def _probe_scenario():
-    decode = ScriptedDecode(break_first=False)
+    held = asyncio.Event()  # the probe's stream stays open, after its first token, until set
+    decode = ScriptedDecode(break_first=False, hold_first=held)
     server = grpc.aio.server()
     decode_pb2_grpc.add_DecodeServicer_to_server(decode, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -132,17 +147,28 @@ async def _probe_scenario():
     state = ClusterState(None)
     state.workers = {"d": _view("d", "decode", port)}
     cfg = RouterConfig(disagg_min_uncached_tokens=10_000, retry_max_attempts=3,
-                       retry_base_delay_ms=1.0, circuit_breaker_reset_s=0.05)  # fmt: skip
+                       retry_base_delay_ms=1.0, circuit_breaker_reset_s=5.0)  # fmt: skip
     disp = Dispatcher(state, cfg)
+    clock = disp.breakers.clock = FakeClock()  # the breaker's time moves only when told
     for _ in range(cfg.circuit_breaker_failures):  # the worker had failed (it restarted)
         disp.breakers.failure("d")
-    await asyncio.sleep(0.06)  # half-open: the next request is the probe
+    assert not disp.breakers.allows("d")
+    clock.advance(cfg.circuit_breaker_reset_s)  # half-open: the next request is the probe
+    probe = None
     try:
         probe = asyncio.create_task(_collect(disp, _job("probe")))
-        await asyncio.sleep(0.1)  # the probe has its first tokens, not its last (0.24 s)
+        # The probe's first token reached the router and closed the breaker; the probe itself
+        # cannot finish until `held` is set. No clock moves: the silent-probe timeout is out.
+        await _until(lambda: not disp.breakers.is_open("d"), "the probe closing the breaker")
+        assert not probe.done()
         other = await _collect(disp, _job("other"))
+        assert not probe.done() and len(decode.generated) == 2, decode.generated
+        held.set()
         return await probe, other
     finally:
+        held.set()
+        if probe is not None and not probe.done():
+            probe.cancel()
         await disp.close()
         await server.stop(None)
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from decode_service.kv_import import KVImport, PageGeometry, TransferError, make_chunk
+from megaserve.kv import wire
+from megaserve.kv.staging import KVImport
+from megaserve.kv.wire import PageGeometry, TransferError, make_chunk
 from megaserve.rpc import kv_transfer_pb2
 
 GEO = PageGeometry(num_layers=3, page_size=4, kv_heads=2, head_dim=8, dtype="float32")
@@ -20,8 +22,11 @@ def _kv(layers=3, pages=2, seed=0):
 
 
 def _header(**kw):
-    h = dict(request_id="r", num_layers=3, first_page=1, num_pages=2, dtype="float32")
-    return kv_transfer_pb2.KVHeader(**(h | kw))
+    """The sender's header for reservation pages [1, 3) of GEO, with fields overridden."""
+    h = wire.header("r", GEO, first_page=1, num_pages=2).header
+    for field, value in kw.items():
+        setattr(h, field, value)
+    return h
 
 
 def _import():
@@ -80,6 +85,14 @@ def test_duplicate_chunk_refused():
         ({"dtype": "bfloat16"}, "dtype='bfloat16'"),
         ({"num_layers": 4}, "num_layers=4"),
         ({"first_page": 0, "num_pages": 3}, "missing pages"),
+        # The header says what the pages hold; anything else than this pool's pages is refused.
+        ({"cache_kind": kv_transfer_pb2.CACHE_KIND_UNSPECIFIED}, "cache_kind=CACHE_KIND_UNSPEC"),
+        ({"layout_version": 2}, "layout_version=2"),
+        ({"has_scales": True}, "has_scales=true"),
+        ({"page_size": 8}, "page_size=8"),
+        ({"head_start": 1}, r"KV heads \[1, 2\)"),
+        ({"head_end": 1}, r"KV heads \[0, 1\)"),
+        ({"head_dim": 16}, "head_dim=16"),
     ],
 )
 def test_bad_headers_refused(kw, match):

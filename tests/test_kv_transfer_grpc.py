@@ -3,30 +3,37 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import numpy as np
 import pytest
 
 from kernels.kv_cache import KVPool
-from kernels.xla_step import SamplingArrays, StepConfig, XlaRunner
+from megaserve.kv.pages import pages_for_tokens
+from megaserve.kv.wire import extract_pages, push_messages
 from megaserve.offline import OfflineGenerator
 from megaserve.rpc import decode_pb2, decode_pb2_grpc, kv_transfer_pb2_grpc
-from prefill_service.kv_sender import extract_pages, push_messages
-from tests.test_decode_server import _assert_pool_clean, _req, worker  # noqa: F401
+from megaserve.runner.batch import TokenBatch
+from megaserve.runner.buckets import StepConfig
+from megaserve.runner.xla import XlaRunner
+from megaserve.sampling_params import SamplingArrays
+from tests.test_decode_server import _assert_pool_clean, _req, expire_lease, worker  # noqa: F401
 
 
 def _prefill_elsewhere(model, prompt, page_size=16):
     """A stand-in prefill worker: its own pool; returns (first token, K, V of all pages)."""
     cfg = model.cfg
-    n = -(-len(prompt) // page_size)
+    n = pages_for_tokens(len(prompt), page_size)
     pool = KVPool.create(cfg.num_layers, n + 1, page_size, cfg.num_kv_heads, cfg.head_dim)
     r = XlaRunner(model.family, cfg, model.params, pool, StepConfig(max_pages_per_seq=n))
     pages = list(range(1, n + 1))
     nxt, _ = r.prefill(
-        np.array([prompt], np.int32),
-        np.arange(len(prompt))[None].astype(np.int32),
-        np.array([pages], np.int32),
+        TokenBatch.from_padded(
+            np.array([prompt], np.int32),
+            np.arange(len(prompt))[None].astype(np.int32),
+            np.array([pages], np.int32),
+        ),
         SamplingArrays.greedy(1),
     )
     k, v = extract_pages(pool, pages)
@@ -128,9 +135,15 @@ def test_push_after_lease_expired_is_not_found(worker, tiny_model):  # noqa: F81
     async def main():
         async with grpc.aio.insecure_channel(addr) as ch:
             await decode_pb2_grpc.DecodeStub(ch).Reserve(
-                decode_pb2.ReserveRequest(request_id="late", prompt_token_ids=prompt, lease_ms=100)
+                decode_pb2.ReserveRequest(
+                    request_id="late", prompt_token_ids=prompt, lease_ms=600_000
+                )
             )
-            await asyncio.sleep(0.4)
+            expire_lease(engine, "late")  # the lease runs out before the KV arrives
+            end = time.monotonic() + 60
+            while "late" in engine.reservations:  # the engine's next iteration drops it
+                assert time.monotonic() < end, "the expired reservation was not dropped"
+                await asyncio.sleep(0.01)
             await kv_transfer_pb2_grpc.KVTransferStub(ch).Push(
                 iter(list(push_messages("late", first, 0, k, v)))
             )
@@ -144,7 +157,7 @@ def test_push_after_lease_expired_is_not_found(worker, tiny_model):  # noqa: F81
 _SENDER = """
 import sys, time, grpc, numpy as np
 from megaserve.rpc import kv_transfer_pb2_grpc
-from prefill_service.kv_sender import push_messages
+from megaserve.kv.wire import push_messages
 addr, n_layers, n_pages, ps, h, d = sys.argv[1], *map(int, sys.argv[2:7])
 k = np.ones((n_layers, n_pages, ps, h, d), np.float32)
 msgs = list(push_messages("killme", 3, 0, k, k, max_chunk_bytes=4096))
@@ -161,18 +174,18 @@ with grpc.insecure_channel(addr) as ch:
 def test_sender_killed_mid_transfer_frees_reservation(worker, tiny_model):  # noqa: F811
     import subprocess
     import sys
-    import time
 
     from tests.conftest import REPO
 
     engine, addr = worker
     prompt = list(range(1, 40))
+    expired = engine.expired_reservations
 
     async def reserve():
         async with grpc.aio.insecure_channel(addr) as ch:
             return await decode_pb2_grpc.DecodeStub(ch).Reserve(
                 decode_pb2.ReserveRequest(
-                    request_id="killme", prompt_token_ids=prompt, lease_ms=60000
+                    request_id="killme", prompt_token_ids=prompt, lease_ms=3_600_000
                 )
             )
 
@@ -197,8 +210,9 @@ def test_sender_killed_mid_transfer_frees_reservation(worker, tiny_model):  # no
     assert proc.stdout.readline().strip() == "SENT"
     proc.kill()
     proc.wait()
-    end = time.monotonic() + 10
-    while engine.reservations and time.monotonic() < end:
+    end = time.monotonic() + 300  # generous, and still far inside the hour's lease
+    while engine.reservations:
+        assert time.monotonic() < end, "the broken transfer did not free its reservation"
         time.sleep(0.05)
-    assert not engine.reservations  # freed long before the 60 s lease
+    assert engine.expired_reservations == expired  # freed by the broken stream, not the lease
     _assert_pool_clean(engine)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -12,7 +13,7 @@ import pytest
 
 from kernels.megakernel import schedule
 from kernels.megakernel.kernel import DMA_KINDS
-from kernels.megakernel.pack import pack_megakernel
+from kernels.megakernel.pack import pack_megakernel, unpack_megakernel
 from kernels.megakernel.plan import VMEM_BYTES, make_plan, padded_bytes
 from kernels.megakernel.step import megakernel_step, reference_step
 from kernels.moe import route
@@ -66,10 +67,20 @@ def _pool(cfg, n_pages, seed=0):
     return k, v
 
 
-def _tol(ref_logits) -> float:
-    # bf16 activations before every matmul: the XLA step run in bf16 differs from f32 by
-    # about as much (measured ~2-3% of the largest logit on these minis).
-    return 0.05 * float(np.abs(ref_logits).max())
+def _row_errors(got, want) -> np.ndarray:
+    """Relative error of each row of [R, N] arrays: max |got - want| / max |want| in the row."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return np.abs(got - want).max(axis=-1) / np.abs(want).max(axis=-1)
+
+
+# Error bounds: the largest `_row_errors` measured on these minis (the figure in each line,
+# deterministic on CPU) times a stated margin of 1.5, keyed by the mini's model_type. The bf16
+# kernel rounds every matmul input to bf16, the f32 reference does not: that is the error.
+# One bf16 step, 3 live rows: logits, and the new K/V rows over all layers.
+ONE_STEP_LOGITS = {"llama": 1.5 * 0.0253, "qwen3_moe": 1.5 * 0.0133}
+ONE_STEP_KV = {"llama": 1.5 * 0.0181, "qwen3_moe": 1.5 * 0.0111}
+# 32 steps with f32 matmul inputs, 84 live (step, row) pairs.
+F32_LOOP_LOGITS = {"llama": 1.5 * 3.63e-4, "qwen3_moe": 1.5 * 1.11e-3}
 
 
 # Rows with different lengths and page counts: mid-page, exactly on a page boundary (its
@@ -80,28 +91,27 @@ TOKENS = np.array([3, 9, 11, 0], np.int32)
 
 
 def test_one_step_matches_reference(mini):
-    m, _ = mini
+    m, hf = mini
     cfg = m.cfg
     plan = make_plan(cfg, 4, PS, 4)
     mp = pack_megakernel(plan, m.params)
     k, v = _pool(cfg, 9)
-    args = (TOKENS, POSITIONS, PAGE_TABLE)
-    rt, rl, rk, rv, _ = jax.jit(lambda *a: reference_step(m.family, cfg, m.params, *a))(
-        k.astype(jnp.float32), v.astype(jnp.float32), *args
-    )
-    kt, kl, kk, kv, _ = jax.jit(lambda *a: megakernel_step(plan, mp, *a, interpret=True))(
-        k, v, *args
-    )
+    # The same arguments for both: the reference ignores `interpret`.
+    args = (k, v, TOKENS, POSITIONS, PAGE_TABLE)
+    rt, rl, rk, rv, _ = jax.jit(partial(reference_step, plan, mp, interpret=True))(*args)
+    kt, kl, kk, kv, _ = jax.jit(partial(megakernel_step, plan, mp, interpret=True))(*args)
     live = POSITIONS >= 0
-    np.testing.assert_allclose(np.asarray(kl)[live], np.asarray(rl)[live], atol=_tol(rl))
+    errors = _row_errors(np.asarray(kl)[live], np.asarray(rl)[live])
+    assert (errors <= ONE_STEP_LOGITS[hf["model_type"]]).all(), errors
     np.testing.assert_array_equal(np.asarray(kt)[live], np.asarray(rt)[live])
-    # The new rows landed in their pages (bf16 pool vs f32 reference), the rest is untouched.
+    # The new rows landed in their pages (both in the bf16 pool), the rest is untouched.
     for b in np.flatnonzero(live):
         page, slot = PAGE_TABLE[b, POSITIONS[b] // PS], POSITIONS[b] % PS
         for new, ref in ((kk, rk), (kv, rv)):
-            got = np.asarray(new[:, page, slot].astype(jnp.float32))
-            want = np.asarray(ref[:, page, slot])
-            np.testing.assert_allclose(got, want, atol=0.04 * np.abs(want).max())
+            got = new[:, page, slot].astype(jnp.float32).reshape(1, -1)
+            want = ref[:, page, slot].astype(jnp.float32).reshape(1, -1)
+            error = _row_errors(got, want)[0]
+            assert error <= ONE_STEP_KV[hf["model_type"]], (b, error)
     before = np.asarray(k.astype(jnp.float32))
     after = np.asarray(kk.astype(jnp.float32))
     for b in np.flatnonzero(live):
@@ -111,6 +121,37 @@ def test_one_step_matches_reference(mini):
             np.testing.assert_array_equal(after[:, page, slot], before[:, page, slot])
     untouched = [p for p in range(9) if p not in PAGE_TABLE[live].ravel()]
     np.testing.assert_array_equal(after[:, untouched], before[:, untouched])
+
+
+def _strip_padding(name: str, unpacked: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """An unpacked MLP matrix without the lane padding the packer added (asserted zero)."""
+    if name == "w_gate_up":  # [.., D, 2F] with gate and up each padded to Fp columns
+        f, fp = want.shape[-1] // 2, unpacked.shape[-1] // 2
+        gate, up = unpacked[..., :fp], unpacked[..., fp:]
+        assert not gate[..., f:].any() and not up[..., f:].any()
+        return np.concatenate([gate[..., :f], up[..., :f]], axis=-1)
+    if name == "w_down":  # [.., Fp, D]
+        f = want.shape[-2]
+        assert not unpacked[..., f:, :].any()
+        return unpacked[..., :f, :]
+    return unpacked
+
+
+def test_unpack_inverts_pack(mini):
+    """`unpack_megakernel`, which `reference_step` runs on, gives back the family's params
+    exactly (lane padding aside): the reference checks the packer, not only the kernel."""
+    m, _ = mini
+    plan = make_plan(m.cfg, 4, PS, 4)
+    got = unpack_megakernel(plan, pack_megakernel(plan, m.params))
+    for name in ("embed", "lm_head", "final_norm", "inv_freq", "rope_scale"):
+        np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(m.params[name]))
+    assert len(got["layers"]) == len(m.params["layers"])
+    for unpacked, layer in zip(got["layers"], m.params["layers"]):
+        assert set(unpacked) == set(layer)
+        for name, want in layer.items():
+            want = np.asarray(want, np.float32)
+            have = _strip_padding(name, np.asarray(unpacked[name]), want)
+            np.testing.assert_array_equal(have, want, err_msg=name)
 
 
 def _distinct_experts(m, plan, k, v, tokens, positions, page_table):
@@ -203,12 +244,12 @@ def test_greedy_32_steps_with_rows_joining_and_leaving(mini):
     reference the same bf16-valued weights in f32 over a bf16 pool: the two differ only by
     summation order, so a near-tie cannot flip a token and any divergence is a logic bug.
     """
-    m, _ = mini
+    m, hf = mini
     plan = make_plan(m.cfg, 4, PS, 4, act_dtype=jnp.float32)
     mp = pack_megakernel(plan, m.params)
     pool = _pool(m.cfg, 17, seed=3)
-    ref = jax.jit(lambda *a: reference_step(m.family, m.cfg, m.params, *a))
-    mk = jax.jit(lambda *a: megakernel_step(plan, mp, *a, interpret=True), donate_argnums=(0, 1))
+    ref = jax.jit(partial(reference_step, plan, mp))
+    mk = jax.jit(partial(megakernel_step, plan, mp, interpret=True), donate_argnums=(0, 1))
     want, want_logits = _decode_loop(ref, pool, JOIN_LEAVE, 32, PROMPT)
     got, got_logits = _decode_loop(mk, pool, JOIN_LEAVE, 32, PROMPT)
     np.testing.assert_array_equal(got, want)
@@ -216,7 +257,16 @@ def test_greedy_32_steps_with_rows_joining_and_leaving(mini):
         live = want[s] >= 0
         # The bf16 pool rounds the two steps' (equal to ~1e-6) new K/V to neighbouring bf16
         # values now and then; that is the only difference left.
-        np.testing.assert_allclose(got_logits[s][live], want_logits[s][live], atol=2e-2)
+        errors = _row_errors(got_logits[s][live], want_logits[s][live])
+        assert (errors <= F32_LOOP_LOGITS[hf["model_type"]]).all(), (s, errors)
+
+
+# Teacher-forced bf16 steps: a (step, row) is close when its `_row_errors` is within 4%
+# (1.5x the one-step dense bound's measured 2.53%, rounded). Measured over the 84 live pairs:
+# dense 83 close (max 5.3%), 81 tokens equal; MoE 73 close (max 24%: a router near-tie
+# drifts that row's later steps), 83 tokens equal. The margin: 2 pairs fewer of each.
+BF16_LOOP_ROW = 0.04
+BF16_LOOP_COUNTS = {"llama": (83, 81), "qwen3_moe": (73, 83)}  # (close, tokens equal)
 
 
 @pytest.mark.slow
@@ -228,32 +278,33 @@ def test_bf16_kernel_tracks_reference_over_32_steps(mini):
     genuine near-ties: a top-2 logit gap, or (MoE) a router top-k gap, closer than the bf16
     error, where the kernel's choice is as valid as the reference's. A router flip changes
     that token's K/V in later layers, which stays in the pool, so the row's next steps drift
-    too (measured: dense 84/84 (step, row) within tolerance and 82/84 tokens equal, MoE 79/84
-    and 82/84). Free-running would follow a different path, which is why this test feeds the
+    too. Free-running would follow a different path, which is why this test feeds the
     reference's tokens.
     """
-    m, _ = mini
+    m, hf = mini
     plan = make_plan(m.cfg, 4, PS, 4)
     mp = pack_megakernel(plan, m.params)
     pool = _pool(m.cfg, 17, seed=3)
-    ref = jax.jit(lambda *a: reference_step(m.family, m.cfg, m.params, *a))
-    mk = jax.jit(lambda *a: megakernel_step(plan, mp, *a, interpret=True), donate_argnums=(0, 1))
+    ref = jax.jit(partial(reference_step, plan, mp))
+    mk = jax.jit(partial(megakernel_step, plan, mp, interpret=True), donate_argnums=(0, 1))
     want, want_logits = _decode_loop(ref, pool, JOIN_LEAVE, 32, PROMPT)
     got, got_logits = _decode_loop(mk, pool, JOIN_LEAVE, 32, PROMPT, forced=want)
     close = agree = total = 0
     for s in range(32):
         live = want[s] >= 0
         w, g = want_logits[s][live], got_logits[s][live]
+        ok = _row_errors(g, w) <= BF16_LOOP_ROW
         err = np.abs(g - w).max(axis=1)
-        ok = err <= _tol(w)
         top2 = np.sort(w, axis=1)[:, -2:]
         clear = ok & (top2[:, 1] - top2[:, 0] > 2 * err)
         np.testing.assert_array_equal(got[s][live][clear], want[s][live][clear])
         close += int(ok.sum())
         agree += int((got[s][live] == want[s][live]).sum())
         total += int(live.sum())
-    assert close >= 0.9 * total, (close, total)
-    assert agree >= 0.9 * total, (agree, total)
+    assert total == 84
+    want_close, want_agree = BF16_LOOP_COUNTS[hf["model_type"]]
+    assert close >= want_close - 2, (close, total)
+    assert agree >= want_agree - 2, (agree, total)
 
 
 def test_vmem_budget_counts_the_kernels_scratch():
@@ -320,8 +371,11 @@ def test_pallas_backend_of_the_decode_step():
     """`make_runner(backend="pallas")`: XLA prefill, megakernel decode (interpreted on CPU)
     over the decode tier's pool; logits track the XLA backend step after step."""
     from kernels.kv_cache import KVPool
-    from kernels.megakernel.runner import MegakernelRunner
-    from kernels.xla_step import SamplingArrays, StepConfig, default_backend, make_runner
+    from megaserve.runner.batch import TokenBatch
+    from megaserve.runner.buckets import StepConfig
+    from megaserve.runner.factory import default_backend, make_runner
+    from megaserve.runner.pallas import MegakernelRunner
+    from megaserve.sampling_params import SamplingArrays
 
     m, _ = _model("dense")
     cfg = m.cfg
@@ -339,11 +393,14 @@ def test_pallas_backend_of_the_decode_step():
     table = np.array([[1, 2, 0, 0], [3, 0, 0, 0]], np.int32)
     out = {}
     for name, r in runners.items():
-        first, _ = r.prefill(prompt, positions, table, SamplingArrays.greedy(2))
-        toks, logits = r.decode(
-            first, np.array([8, 2], np.int32), table, SamplingArrays.greedy(2), 3, True
-        )
+        batch = TokenBatch.from_padded(prompt, positions, table)
+        first, _ = r.prefill(batch, SamplingArrays.greedy(2))
+        batch = TokenBatch.decode(first, np.array([8, 2], np.int32), table)
+        toks, logits = r.decode(batch, SamplingArrays.greedy(2), 3, True)
         out[name] = (first, toks, logits)
     np.testing.assert_array_equal(out["pallas"][0], out["xla"][0])
     np.testing.assert_array_equal(out["pallas"][1][0], out["xla"][1][0])
-    np.testing.assert_allclose(out["pallas"][2][0], out["xla"][2][0], atol=_tol(out["xla"][2][0]))
+    # Measured (dense mini, f32 pool, the kernel's bf16 matmul inputs vs the XLA backend's
+    # f32): per-row error 0.70% and 0.53% at the first decode step; bound 1.5x the larger.
+    errors = _row_errors(out["pallas"][2][0], out["xla"][2][0])
+    assert (errors <= 1.5 * 0.0071).all(), errors

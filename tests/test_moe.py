@@ -104,8 +104,11 @@ def test_config_from_hf_styles():
 def test_batched_paged_decode_equals_one_at_a_time(tiny_moe_model):
     """Sequences in one batch route to different experts; each equals its solo run."""
     from kernels.kv_cache import KVPool
-    from kernels.xla_step import SamplingArrays, StepConfig, XlaRunner
     from megaserve.offline import OfflineGenerator
+    from megaserve.runner.batch import TokenBatch
+    from megaserve.runner.buckets import StepConfig
+    from megaserve.runner.xla import XlaRunner
+    from megaserve.sampling_params import SamplingArrays
 
     m = tiny_moe_model
     cfg = m.cfg
@@ -120,16 +123,16 @@ def test_batched_paged_decode_equals_one_at_a_time(tiny_moe_model):
     first = []
     for i, p in enumerate(prompts):
         nxt, _ = r.prefill(
-            np.array([p], np.int32),
-            np.arange(len(p), dtype=np.int32)[None],
-            table[i : i + 1],
+            TokenBatch.from_padded(
+                np.array([p], np.int32), np.arange(len(p), dtype=np.int32)[None], table[i : i + 1]
+            ),
             SamplingArrays.greedy(1),
         )
         first.append(int(nxt[0]))
     toks, _ = r.decode(
-        np.array(first, np.int32),
-        np.array([len(p) for p in prompts], np.int32),
-        table,
+        TokenBatch.decode(
+            np.array(first, np.int32), np.array([len(p) for p in prompts], np.int32), table
+        ),
         SamplingArrays.greedy(len(prompts)),
         n_steps=7,
     )

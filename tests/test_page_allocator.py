@@ -6,8 +6,9 @@ import random
 
 import pytest
 
-from decode_service.page_allocator import OutOfPages, PageAllocator
-from megaserve.block_hash import block_hashes
+from megaserve.errors import NoCapacity
+from megaserve.kv.allocator import PageAllocator
+from megaserve.kv.block_hash import block_hashes
 
 
 @pytest.fixture
@@ -42,7 +43,7 @@ def test_prefix_sharing_and_lru_eviction(alloc):
     fresh = alloc.allocate(alloc.num_available)
     assert pages[2] in fresh and alloc.evictions == 1
     assert alloc.match_prefix(hashes) == pages[:2]
-    with pytest.raises(OutOfPages, match="need 1 pages, 0 available"):
+    with pytest.raises(NoCapacity, match="need 1 pages, 0 available"):
         alloc.allocate(1)
     alloc.release(fresh)
     alloc.release(hit)
@@ -79,7 +80,7 @@ def test_random_workload_keeps_invariants():
             need = rng.randrange(1, 4)
             try:
                 new = a.allocate(need)
-            except OutOfPages:
+            except NoCapacity:
                 a.release(hit)
                 continue
             for p, h in zip(new, hashes[len(hit) :]):

@@ -10,7 +10,11 @@ import pytest
 from kernels.kv_cache import KVPool
 from kernels.llama import rms_norm
 from kernels.rope import apply_rope, rope_cos_sin
-from kernels.xla_step import SamplingArrays, StepConfig, XlaRunner
+from megaserve.kv.pages import pages_for_tokens
+from megaserve.runner.batch import TokenBatch
+from megaserve.runner.buckets import StepConfig
+from megaserve.runner.xla import XlaRunner
+from megaserve.sampling_params import SamplingArrays
 
 
 def contiguous_logits(cfg, params, ids: list[int]) -> np.ndarray:
@@ -49,7 +53,7 @@ def test_paged_batch_decode_matches_contiguous(tiny_model, page_size):
     # Lengths straddle page boundaries so some sequences open a new page mid-batch.
     lengths = [5, page_size - 1, page_size, page_size + 1, 2 * page_size - 2, 37]
     steps = 4
-    pages_per_seq = -(-(max(lengths) + steps + 1) // page_size)
+    pages_per_seq = pages_for_tokens(max(lengths) + steps + 1, page_size)
     n_pages = len(lengths) * pages_per_seq + 1
     pool = KVPool.create(cfg.num_layers, n_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
     runner = XlaRunner(
@@ -63,9 +67,9 @@ def test_paged_batch_decode_matches_contiguous(tiny_model, page_size):
     firsts = []
     for i, p in enumerate(prompts):
         nxt, _ = runner.prefill(
-            np.array([p], np.int32),
-            np.arange(len(p))[None].astype(np.int32),
-            table[i : i + 1],
+            TokenBatch.from_padded(
+                np.array([p], np.int32), np.arange(len(p))[None].astype(np.int32), table[i : i + 1]
+            ),
             greedy,
         )
         firsts.append(int(nxt[0]))
@@ -73,7 +77,10 @@ def test_paged_batch_decode_matches_contiguous(tiny_model, page_size):
     toks = np.array(firsts, np.int32)
     pos = np.array(lengths, np.int32)
     out, logits = runner.decode(
-        toks, pos, table, SamplingArrays.greedy(len(lengths)), n_steps=steps, want_logits=True
+        TokenBatch.decode(toks, pos, table),
+        SamplingArrays.greedy(len(lengths)),
+        n_steps=steps,
+        want_logits=True,
     )
     for b, seq in enumerate(seqs):
         full = seq + out[:-1, b].tolist()
@@ -94,9 +101,9 @@ def test_prefill_in_chunks_equals_one_chunk(tiny_model):
         for s in range(0, 50, chunk):
             c = ids[s : s + chunk]
             _, logits = r.prefill(
-                c[None],
-                np.arange(s, s + len(c), dtype=np.int32)[None],
-                table,
+                TokenBatch.from_padded(
+                    c[None], np.arange(s, s + len(c), dtype=np.int32)[None], table
+                ),
                 SamplingArrays.greedy(1),
             )
         results.append(logits[0])

@@ -14,7 +14,8 @@ def _info():
     return WorkerInfo("d0", "decode", "127.0.0.1:5000", "tiny", 100, 90, 1, 0, 16)
 
 
-def _wait(pred, timeout=5.0):
+def _wait(pred, timeout=60.0):
+    """Polls pred until true or a generous deadline (no timing claim): True if it held."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if pred():
@@ -24,14 +25,25 @@ def _wait(pred, timeout=5.0):
 
 
 def test_register_refresh_and_expire(redis_server):
+    # A TTL far longer than any stall between two of the checks below: nothing here races it.
     r = redis.Redis.from_url(redis_server.url)
-    hb = Heartbeat(redis_server.url, _info, interval=0.1, ttl=0.5).start()
+    hb = Heartbeat(redis_server.url, _info, interval=0.1, ttl=60).start()
     assert _wait(lambda: r.exists(worker_key("d0")))
     assert WorkerInfo.from_hash(r.hgetall(worker_key("d0"))) == _info()
     assert r.sismember(workers_set("decode"), "d0")
-    assert 0 < r.pttl(worker_key("d0")) <= 500
+    assert 0 < r.pttl(worker_key("d0")) <= 60_000
+    # Each beat rewrites the expiry: it is back near the full TTL after a later beat.
+    r.pexpire(worker_key("d0"), 30_000)
+    beats = hb.beats
+    assert _wait(lambda: hb.beats >= beats + 2)
+    assert r.pttl(worker_key("d0")) > 30_000
     hb.stop(deregister=False)
-    assert _wait(lambda: not r.exists(worker_key("d0")), timeout=2)  # TTL, not a delete
+    stopped_at = hb.beats
+    # Left to expire by its TTL, not deleted: still there, with an expiry set.
+    assert r.exists(worker_key("d0")) and 0 < r.pttl(worker_key("d0")) <= 60_000
+    r.pexpire(worker_key("d0"), 1)  # the TTL runs out (Redis's own expiry)
+    assert _wait(lambda: not r.exists(worker_key("d0")))
+    assert hb.beats == stopped_at and not r.exists(worker_key("d0"))  # no beat brings it back
 
 
 def test_reregisters_after_redis_restart(redis_server):

@@ -16,9 +16,18 @@ from megaserve.v1 import generation_pb2 as pb
 from megaserve.v1 import generation_pb2_grpc as pbg
 from megaserve_app.launch import worker_stats
 from tests.redis_server import RedisServer
-from tests.stack import Stack, make_chat_checkpoint, tokens_equal_report
+from tests.stack import (
+    Stack,
+    counters_moved,
+    decode_counters,
+    make_chat_checkpoint,
+    tokens_equal_report,
+    wait_router_view,
+)
 
 MODEL = "tiny-chat"
+DISAGG_MIN = 48  # the router's disagg_min_uncached_tokens (lb.yaml below)
+DECODE = ("d1", "d2")
 
 
 @pytest.fixture(scope="module")
@@ -28,23 +37,12 @@ def stack(tmp_path_factory):
     rs = RedisServer(tmp).start()
     (tmp / "lb.yaml").write_text(
         "decode_policy: session_affinity\nsession_fallback_policy: kv_aware\n"
-        "disagg_min_uncached_tokens: 48\n"
+        f"disagg_min_uncached_tokens: {DISAGG_MIN}\n"
     )
     st = Stack(rs.url, ck)
     try:
-        router = st.up(("d1", "d2"), ("p1",), str(tmp / "lb.yaml"))
-        with grpc.insecure_channel(router.address) as ch:
-            grpc.channel_ready_future(ch).result(timeout=30)
-            # The router's view refreshes every 200 ms; wait until it sees every worker.
-            stub = pbg.GenerationStub(ch)
-            for _ in range(100):
-                m = stub.ListModels(pb.ListModelsRequest()).models
-                if m and m[0].decode_workers == 2 and m[0].prefill_workers == 1:
-                    break
-                import time
-
-                time.sleep(0.1)
-            yield st, router.address, ck, rs
+        router = st.up(DECODE, ("p1",), str(tmp / "lb.yaml"))  # up: the router sees all three
+        yield st, router.address, ck, rs
     finally:
         st.stop()
         rs.kill()
@@ -78,7 +76,14 @@ LONG = "Serving systems batch requests continuously over a paged KV cache. " * 4
 CASES = {
     "prompt": LONG,  # long enough (>= 48 uncached tokens) to take the prefill tier
     "chat": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}],
-    "prompt_token_ids": list(range(3, 90)),
+    "prompt_token_ids": list(range(3, 90)),  # long too
+}
+# The seeded runs' long prompts start differently, so no block of them is cached by the greedy
+# runs: they are uncached and must take the prefill tier too.
+SEEDED = {
+    "prompt": "Seeded run. " + LONG,
+    "chat": CASES["chat"],
+    "prompt_token_ids": list(range(200, 113, -1)),
 }
 
 
@@ -95,15 +100,19 @@ def _input(kind, value):
 def test_tokens_equal_in_process_generation(stack, reference, kind, sampled):
     _, addr, ck, _ = stack
     model, gen = reference
+    st = stack[0]
     sp = SamplingParams(temperature=0.9, top_k=40, seed=11) if sampled else SamplingParams()
     sampling = pb.SamplingParams(temperature=sp.temperature, top_k=sp.top_k, seed=sp.seed)
+    value = (SEEDED if sampled else CASES)[kind]
+    before = decode_counters(st, DECODE)
     ids, text, out = _generate(
         addr,
-        **_input(kind, CASES[kind]),
+        **_input(kind, value),
         sampling=sampling,
         stopping=pb.StoppingParams(max_tokens=24, ignore_eos=True),
     )
-    prompt = _ref_ids(ck, kind, CASES[kind])
+    moved = counters_moved(before, decode_counters(st, DECODE))
+    prompt = _ref_ids(ck, kind, value)
     want = gen.generate(prompt, 24, sp, ignore_eos=True).token_ids
     assert ids == want, tokens_equal_report(ids, want)
     assert text == model.tokenizer.decode(ids, skip_special_tokens=True)
@@ -111,6 +120,16 @@ def test_tokens_equal_in_process_generation(stack, reference, kind, sampled):
     assert last.finish_reason == pb.FINISH_REASON_LENGTH
     assert all(o.finish_reason == pb.FINISH_REASON_UNSPECIFIED for o in out[:-1])
     assert last.usage.prompt_tokens == len(prompt) and last.usage.completion_tokens == 24
+    uncached = len(prompt) - last.usage.cached_tokens
+    assert moved["requests"] == 1, moved
+    if kind == "chat":
+        assert len(prompt) < DISAGG_MIN  # short: prefilled on the decode worker
+        assert moved == {"imported_requests": 0, "prefill_tokens": uncached, "requests": 1}
+    else:
+        # Long and uncached: the prefill tier computed the prompt, the decode worker imported
+        # its KV and computed none of it.
+        assert last.usage.cached_tokens == 0 and uncached >= DISAGG_MIN, (len(prompt), uncached)
+        assert moved == {"imported_requests": 1, "prefill_tokens": 0, "requests": 1}, moved
 
 
 def test_eos_and_stop_strings(stack, reference):
@@ -143,12 +162,18 @@ def test_session_second_turn_prefills_only_the_suffix(stack):
     st, addr, ck, _ = stack
     tok = load_tokenizer(str(ck)).tokenizer
     turn1 = [{"role": "user", "content": LONG}]
+    first = decode_counters(st, DECODE)
     ids1, text1, out1 = _generate(
         addr,
         chat=pb.Chat(messages=[pb.ChatMessage(**m) for m in turn1]),
         stopping=pb.StoppingParams(max_tokens=8, ignore_eos=True),
         session_id="sess-1",
     )
+    # Turn 1 is long and new: its prompt went through the prefill tier.
+    assert out1[-1].usage.cached_tokens == 0
+    assert len(tok.encode_chat(turn1)) >= DISAGG_MIN
+    moved = counters_moved(first, decode_counters(st, DECODE))
+    assert moved == {"imported_requests": 1, "prefill_tokens": 0, "requests": 1}, moved
     r = redis.Redis.from_url(st.redis_url)
     holder = r.hget("megaserve:session:sess-1", "worker_id").decode()
     addr_of = {w: st.procs[w].address for w in ("d1", "d2")}
@@ -368,14 +393,7 @@ def test_two_routers_share_sessions_and_request_ids(stack):
     r2.wait_ready()
     addr2 = r2.address
     try:
-        import time
-
-        for _ in range(100):  # until r2's view has every worker
-            with grpc.insecure_channel(addr2) as ch:
-                m = pbg.GenerationStub(ch).ListModels(pb.ListModelsRequest()).models
-            if m and m[0].decode_workers == 2:
-                break
-            time.sleep(0.1)
+        wait_router_view(addr2, len(DECODE), 1)
         with grpc.insecure_channel(addr1) as ch:
             first = pbg.GenerationStub(ch).Generate(
                 pb.GenerateRequest(
@@ -390,13 +408,17 @@ def test_two_routers_share_sessions_and_request_ids(stack):
             got, details = _code(addr2, model=MODEL, request_id="shared-id", **IDS)
             assert got == grpc.StatusCode.ALREADY_EXISTS, details
             assert sum(len(r.token_ids) for r in first) == 79
-        turn1 = [{"role": "user", "content": LONG + " two routers"}]
-        _, text1, _ = _generate(
+        turn1 = [{"role": "user", "content": "Two routers. " + LONG}]  # no block cached yet
+        first = decode_counters(st, DECODE)
+        _, text1, out1 = _generate(
             addr1,
             chat=pb.Chat(messages=[pb.ChatMessage(**m) for m in turn1]),
             stopping=pb.StoppingParams(max_tokens=6, ignore_eos=True),
             session_id="sess-2r",
         )
+        assert out1[-1].usage.cached_tokens == 0
+        moved = counters_moved(first, decode_counters(st, DECODE))
+        assert moved == {"imported_requests": 1, "prefill_tokens": 0, "requests": 1}, moved
         holder = redis.Redis.from_url(st.redis_url).hget("megaserve:session:sess-2r", "worker_id")
         before = worker_stats(st.procs[holder.decode()].address)
         turn2 = turn1 + [

@@ -8,13 +8,14 @@ import time
 
 import pytest
 
-from megaserve.block_hash import block_hashes
+from megaserve.kv.block_hash import block_hashes
 from megaserve.state_keys import WorkerInfo, block_hex
 from router.circuit import CircuitBreakers
 from router.config import DEFAULTS_FILE, RouterConfig
 from router.policies import RouteRequest, make_policy
 from router.policies.power_of_two import PowerOfTwo
 from router.state import Session, WorkerView
+from tests.conftest import FakeClock
 
 PS = 16
 
@@ -115,34 +116,41 @@ def test_config_file_defaults_and_errors(tmp_path):
 
 
 def test_circuit_breaker_opens_probes_and_closes():
-    b = CircuitBreakers(failures=2, reset_s=0.05)
+    clock = FakeClock()
+    b = CircuitBreakers(failures=2, reset_s=5.0, clock=clock)
     b.failure("w")
     assert b.allows("w")
     b.failure("w")
     assert not b.allows("w") and b.is_open("w")
-    time.sleep(0.06)
-    assert b.allows("w")  # half-open: one probe
+    clock.advance(4.75)
+    assert not b.allows("w")  # still open just before reset_s
+    clock.advance(0.25)
+    assert b.allows("w")  # half-open at reset_s: one probe
     b.chosen("w")
     assert not b.allows("w")  # only one
-    b.failure("w")  # the probe failed: open again
+    b.failure("w")  # the probe failed: open again, from now
     assert not b.allows("w")
-    time.sleep(0.06)
+    clock.advance(4.75)
+    assert not b.allows("w")
+    clock.advance(0.25)
     b.chosen("w")
     b.success("w")
     assert b.allows("w") and not b.is_open("w")
 
 
 def test_circuit_breaker_probe_without_a_verdict_does_not_block_forever():
-    b = CircuitBreakers(failures=1, reset_s=0.05)
+    clock = FakeClock()
+    b = CircuitBreakers(failures=1, reset_s=5.0, clock=clock)
     b.failure("w")
-    time.sleep(0.06)
+    clock.advance(5.0)
     b.chosen("w")  # the probe's try then fails at another worker (a prefill)
     assert not b.allows("w")
     b.abandon("w")
     assert b.allows("w")  # the next request probes at once
     b.chosen("w")  # this probe's client vanishes: nothing is reported at all
+    clock.advance(4.75)
     assert not b.allows("w")
-    time.sleep(0.06)
+    clock.advance(0.25)
     assert b.allows("w")  # a silent probe stops blocking after reset_s
     b.abandon("w")
     b.failure("w")  # a failure after an abandon still reopens

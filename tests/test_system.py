@@ -18,10 +18,18 @@ from megaserve.v1 import generation_pb2 as pb
 from megaserve.v1 import generation_pb2_grpc as pbg
 from megaserve_app.launch import worker_stats
 from tests.redis_server import RedisServer
-from tests.stack import Stack, make_chat_checkpoint, tokens_equal_report
+from tests.stack import (
+    Stack,
+    counters_moved,
+    decode_counters,
+    make_chat_checkpoint,
+    tokens_equal_report,
+    wait_router_view,
+)
 
 MODEL = "tiny-chat"
 DECODE, PREFILL = ("d1", "d2"), ("p1", "p2")
+DISAGG_MIN = 40  # the router's disagg_min_uncached_tokens (lb.yaml below)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +41,7 @@ def stack(tmp_path_factory):
     # chaos kills a worker every few seconds, far above any real failure rate, so one long
     # request can lose several decode workers: a migration budget to match.
     (tmp / "lb.yaml").write_text(
-        "disagg_min_uncached_tokens: 40\ncircuit_breaker_reset_s: 2.0\n"
+        f"disagg_min_uncached_tokens: {DISAGG_MIN}\ncircuit_breaker_reset_s: 2.0\n"
         "retry_max_attempts: 10\nretry_max_delay_ms: 2000\nmax_migrations: 16\n"
     )
     (tmp / "logs").mkdir()
@@ -47,7 +55,7 @@ def stack(tmp_path_factory):
         rs.kill()
 
 
-def wait_pools_idle(st, timeout=20.0) -> list[decode_pb2.StatsResponse]:
+def wait_pools_idle(st, timeout=120.0) -> list[decode_pb2.StatsResponse]:
     """Every decode worker's pool fully free or cached, no request or reservation left."""
     end = time.monotonic() + timeout
     while True:
@@ -297,12 +305,30 @@ def _run(st, addr, cases, concurrency=8, rid_prefix=""):
             raise
 
 
-def _all_serving(st, timeout=600.0) -> None:
-    """Every worker (restarts included) ready and registered, the router's view refreshed."""
+def _run_counted(st, addr, cases, concurrency=8, rid_prefix=""):
+    """_run that first checks its long prompts (>= DISAGG_MIN tokens, all uncached: the
+    workload's prompts are random and this stack saw none of them) took the prefill tier: the
+    decode workers imported exactly that many requests' KV, and computed prompt tokens only
+    for the short ones (their own prefill; preemption recomputes may add to it)."""
+    long = [c for c in cases if len(c[1]) >= DISAGG_MIN]
+    short = sum(len(c[1]) for c in cases if len(c[1]) < DISAGG_MIN)
+    before = decode_counters(st, DECODE)
+    got = _run(st, addr, cases, concurrency, rid_prefix)
+    moved = counters_moved(before, decode_counters(st, DECODE))
+    assert long and moved["imported_requests"] == len(long), (len(long), moved)
+    assert moved["requests"] == len(cases), moved  # fault-free: one Generate per request
+    assert moved["prefill_tokens"] >= short, (short, moved)
+    return got
+
+
+def _all_serving(st, addr, timeout=600.0) -> None:
+    """Every worker (restarts included) ready and registered at its current address, and the
+    router counting all of them."""
     for w in (*DECODE, *PREFILL):
         st.procs[w].wait_ready(timeout=timeout)
     st.wait_registered([*DECODE, *PREFILL], timeout=120)
-    time.sleep(1.0)
+    st.wait_addresses([*DECODE, *PREFILL])
+    wait_router_view(addr, len(DECODE), len(PREFILL))
 
 
 def _timed_ready(p, out: list) -> None:
@@ -316,9 +342,19 @@ def test_chaos_kill9_and_restart_workers(stack):
     st, addr, _ = stack
     cases = _workload(200)
     # Concurrency 4: the run outlasts several restarts, so kills keep coming.
-    reference = _run(st, addr, cases, concurrency=4, rid_prefix="ref-")  # fault-free
+    reference = _run_counted(st, addr, cases, concurrency=4, rid_prefix="ref-")  # fault-free
     kills, restarts = [], []
     stop = threading.Event()
+    # Requests the decode workers imported from the prefill tier during the chaos run: each
+    # decode process's count, read just before it is killed (a restart counts from 0).
+    base = {w: worker_stats(st.procs[w].address).imported_requests for w in DECODE}
+    imported = [0]
+
+    def imported_since(w) -> int:
+        try:
+            return worker_stats(st.procs[w].address).imported_requests - base[w]
+        except grpc.RpcError:
+            return 0  # a lower bound
 
     def chaos():
         rng = random.Random(11)
@@ -332,6 +368,9 @@ def test_chaos_kill9_and_restart_workers(stack):
             if not victims:
                 continue
             w = rng.choice(victims)
+            if w in DECODE:
+                imported[0] += imported_since(w)
+                base[w] = 0
             st.procs[w].kill9()
             kills.append((time.monotonic(), w))
             kind = "decode" if w in DECODE else "prefill"
@@ -355,25 +394,81 @@ def test_chaos_kill9_and_restart_workers(stack):
     assert not mismatches, [
         tokens_equal_report(a, b) for c, a, b in zip(cases, got, reference) if c[0] in mismatches
     ][:3]
-    _all_serving(st)  # slow restarts on a loaded machine
+    _all_serving(st, addr)  # slow restarts on a loaded machine
+    imported[0] += sum(imported_since(w) for w in DECODE)
+    print(f"chaos: at least {imported[0]} requests took the prefill tier")
+    # The prefill tier really served during the chaos (not everything co-located), so its
+    # kills were kills of a tier in use.
+    assert imported[0] > 0
     wait_pools_idle(st)
+
+
+def _until(pred, what: str, timeout: float = 300.0) -> None:
+    """Polls pred until true; a generous deadline, not a timing claim."""
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, f"not within {timeout} s: {what}"
+        time.sleep(0.02)
 
 
 def test_redis_restart_mid_run(stack):
     st, addr, rs = stack
-    _all_serving(st)
+    _all_serving(st, addr)
     cases = _workload(80, seed=3)
-    reference = _run(st, addr, cases, rid_prefix="rref-")
-    box = {}
-    t = threading.Thread(target=lambda: box.update(got=_run(st, addr, cases, rid_prefix="rr-")))
+    reference = _run_counted(st, addr, cases, rid_prefix="rref-")
+    lock, started, finished = threading.Lock(), [0], [0]
+
+    def one(c):
+        rid, prompt, n, seed = c
+        with lock:
+            started[0] += 1
+        try:
+            return generate(addr, prompt, n, seed, rid="rr-" + rid, timeout=300)
+        finally:
+            with lock:
+                finished[0] += 1
+
+    box: dict = {}
+
+    def run():
+        try:
+            with cf.ThreadPoolExecutor(8) as ex:
+                box["got"] = list(ex.map(one, cases))
+        except BaseException as e:  # re-raised below, in the test's thread, as it was
+            box["error"] = e
+
+    def run_failed() -> None:  # the run's own error, with its traceback, not a later symptom
+        if "error" in box:
+            print(st.log_tails(60))
+            raise box["error"]
+
+    t = threading.Thread(target=run, name="redis-restart-run")
     t.start()
-    time.sleep(1.0)
-    rs.kill()
-    time.sleep(1.5)
+    # Mid-run: some requests done, eight in flight, more queued.
+    _until(lambda: finished[0] >= 8 or not t.is_alive(), "8 requests finished")
+    run_failed()
+    with lock:
+        rs.kill()
+        in_flight, done_at_kill = started[0] - finished[0], finished[0]
+    assert in_flight > 0 and done_at_kill < len(cases), (in_flight, done_at_kill)
+    # Served while Redis is down: requests in flight at the kill finish, new ones start.
+    _until(lambda: finished[0] >= done_at_kill + 8 or not t.is_alive(), "requests finishing")
+    run_failed()
+    served_while_down = finished[0] - done_at_kill
     rs.start()  # empty: workers re-register and republish their blocks on the next beat
-    t.join(timeout=300)
-    assert box["got"] == reference
-    time.sleep(1.5)
+    t.join(timeout=600)
+    if t.is_alive():
+        print(st.log_tails(60))
+        raise AssertionError(f"the run did not finish within 600 s ({finished[0]} done)")
+    run_failed()
+    print(f"redis restart: {in_flight} in flight at the kill, {served_while_down} finished "
+          f"while Redis was down")  # fmt: skip
+    assert served_while_down >= 8
+    assert box["got"] == reference, [
+        tokens_equal_report(a, b) for a, b in zip(box["got"], reference) if a != b
+    ][:3]
+    st.wait_registered([*DECODE, *PREFILL], timeout=120)  # back in the new, empty Redis
+    wait_router_view(addr, len(DECODE), len(PREFILL))
     assert generate(addr, IDS, 6) == generate(addr, IDS, 6)
 
 
@@ -391,7 +486,7 @@ def _rss_mb(pid: int) -> float:
 def test_soak_memory_and_pool_flat(stack):
     """Steady concurrency for SOAK_S seconds: RSS per process and KV usage stay flat."""
     st, addr, _ = stack
-    _all_serving(st)
+    _all_serving(st, addr)
     soak_s = float(os.environ.get("MEGASERVE_SOAK_S", "90"))
     stop = threading.Event()
     done = [0]

@@ -8,7 +8,10 @@ import jax
 import numpy as np
 
 from kernels.kv_cache import KVPool
-from kernels.xla_step import SamplingArrays, StepConfig, XlaRunner
+from megaserve.runner.batch import TokenBatch
+from megaserve.runner.buckets import StepConfig
+from megaserve.runner.xla import XlaRunner
+from megaserve.sampling_params import SamplingArrays, SamplingParams
 
 
 def _runner(model, step_cfg: StepConfig, pages: int = 33, page_size: int = 8) -> XlaRunner:
@@ -22,7 +25,10 @@ def test_decode_step_donates_pool_in_place(tiny_model):
     k_before, v_before = r.pool.k, r.pool.v
     k_ptr, v_ptr = k_before.unsafe_buffer_pointer(), v_before.unsafe_buffer_pointer()
     table = np.arange(1, 9, dtype=np.int32)[None]
-    r.decode(np.array([3], np.int32), np.array([0], np.int32), table, SamplingArrays.greedy(1))
+    r.decode(
+        TokenBatch.decode(np.array([3], np.int32), np.array([0], np.int32), table),
+        SamplingArrays.greedy(1),
+    )
     # The old arrays were donated: deleted, and the new pool lives in the same buffers.
     assert k_before.is_deleted() and v_before.is_deleted()
     assert r.pool.k.unsafe_buffer_pointer() == k_ptr
@@ -33,7 +39,10 @@ def test_decode_program_has_no_pool_copy(tiny_model):
     """The compiled step aliases the pool input to its output and copies no pool-sized buffer."""
     r = _runner(tiny_model, StepConfig(max_pages_per_seq=8))
     table = np.zeros((1, 8), np.int32)
-    r.decode(np.array([3], np.int32), np.array([0], np.int32), table, SamplingArrays.greedy(1))
+    r.decode(
+        TokenBatch.decode(np.array([3], np.int32), np.array([0], np.int32), table),
+        SamplingArrays.greedy(1),
+    )
     fn = r._decode[(1, False)]
     args = (
         r.params,
@@ -56,7 +65,10 @@ def test_decode_program_has_no_pool_copy(tiny_model):
 def test_one_device_program_per_call(tiny_model):
     r = _runner(tiny_model, StepConfig(max_pages_per_seq=8, steps_per_call=4))
     table = np.arange(1, 9, dtype=np.int32)[None]
-    args = (np.array([3], np.int32), np.array([0], np.int32), table, SamplingArrays.greedy(1))
+    args = (
+        TokenBatch.decode(np.array([3], np.int32), np.array([0], np.int32), table),
+        SamplingArrays.greedy(1),
+    )
     r.decode(*args)
     calls = []
     fn = r._decode[(4, False)]
@@ -83,15 +95,14 @@ def test_multi_step_equals_single_steps(tiny_model):
         r = _runner(tiny_model, StepConfig(max_pages_per_seq=8, steps_per_call=n))
         prompt = np.array([[5, 9, 2, 7]], np.int32)
         tok, _ = r.prefill(
-            prompt, np.arange(4, dtype=np.int32)[None], table, SamplingArrays.greedy(1)
+            TokenBatch.from_padded(prompt, np.arange(4, dtype=np.int32)[None], table),
+            SamplingArrays.greedy(1),
         )
         seq, pos = [int(tok[0])], 4
         while len(seq) < 12:
             toks, _ = r.decode(
-                np.array([seq[-1]], np.int32),
-                np.array([pos], np.int32),
-                table,
-                SamplingArrays.build([{"temperature": 0.8, "seed": 7}]),
+                TokenBatch.decode(np.array([seq[-1]], np.int32), np.array([pos], np.int32), table),
+                SamplingArrays.build([SamplingParams(temperature=0.8, seed=7)]),
             )
             seq += toks[:, 0].tolist()
             pos += n
@@ -107,9 +118,9 @@ def test_compiled_programs_bounded_by_buckets(tiny_model):
         for width in range(1, 5):
             table = rng.integers(1, 40, (b, width)).astype(np.int32)
             r.decode(
-                rng.integers(0, 90, b).astype(np.int32),
-                np.zeros(b, np.int32),
-                table,
+                TokenBatch.decode(
+                    rng.integers(0, 90, b).astype(np.int32), np.zeros(b, np.int32), table
+                ),
                 SamplingArrays.greedy(b),
             )
     limit = len(step_cfg.batch_buckets) * len(step_cfg.page_buckets)

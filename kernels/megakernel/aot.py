@@ -86,20 +86,21 @@ def compile_megakernel(req: CompileRequest) -> dict[str, Any]:
     if req.batch < 1 or req.context < 2:
         raise ValueError(f"batch={req.batch} must be >= 1 and context={req.context} >= 2")
     _quiet_env()
-    import jax
-    import jax.numpy as jnp
-    from jax.experimental import topologies
-    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
-
-    from kernels.megakernel import schedule
-    from kernels.megakernel.pack import abstract_params
     from kernels.megakernel.plan import make_plan
-    from kernels.megakernel.step import megakernel_step
 
     cfg = load_config(req.config_path)
     pages = math.ceil(req.context / req.page_size)
     forced = {} if req.depth_a is None else {"depth_a": req.depth_a, "vmem_budget": 2**40}
     plan = make_plan(cfg, req.batch, req.page_size, pages, emit_logits=req.emit_logits, **forced)
+    result = _accounting(req, cfg, plan)
+    _compile(req, plan, result)
+    return result
+
+
+def _accounting(req: CompileRequest, cfg: Any, plan: Any) -> dict[str, Any]:
+    """The request's result dict before compiling: VMEM, bytes per step, floor, projections."""
+    from kernels.megakernel import schedule
+
     # Every row at the end of a full context: it reads context - 1 earlier tokens.
     positions = [req.context - 1] * req.batch
     distinct = [schedule.expected_distinct_experts(plan.num_experts, plan.top_k, req.batch)] * len(
@@ -116,7 +117,8 @@ def compile_megakernel(req: CompileRequest) -> dict[str, Any]:
     hbm_padded = sum(schedule.dma_bytes(plan, positions, distinct, padded=True).values())
     hbm_padded += outside
     floor_total = sum(floor.values())
-    result: dict[str, Any] = {
+    bandwidth = HBM_BYTES_PER_S[req.target]
+    return {
         "config": str(req.config_path),
         "model_type": cfg.model_type,
         "target": req.target,
@@ -132,12 +134,12 @@ def compile_megakernel(req: CompileRequest) -> dict[str, Any]:
         # The same DMAs counted in (8,128)-tiled HBM layout: lanes padded to 128.
         "hbm_bytes_per_step_tile_padded": hbm_padded,
         "tile_padded_over_floor": round(hbm_padded / floor_total, 4),
-        "hbm_bytes_per_s_assumed": HBM_BYTES_PER_S[req.target],
-        "projected_ms_per_step": round(hbm / HBM_BYTES_PER_S[req.target] * 1e3, 4),
+        "hbm_bytes_per_s_assumed": bandwidth,
+        "projected_ms_per_step": round(hbm / bandwidth * 1e3, 4),
         "projected_ms_per_step_one_core": round(
-            hbm * CORES_PER_CHIP[req.target] / HBM_BYTES_PER_S[req.target] * 1e3, 4
+            hbm * CORES_PER_CHIP[req.target] / bandwidth * 1e3, 4
         ),
-        "floor_ms_per_step": round(floor_total / HBM_BYTES_PER_S[req.target] * 1e3, 4),
+        "floor_ms_per_step": round(floor_total / bandwidth * 1e3, 4),
         "distinct_experts_per_moe_layer": distinct[0] if distinct else 0,
         "dma_bytes": dma,
         "outside_kernel_bytes": outside,
@@ -154,6 +156,19 @@ def compile_megakernel(req: CompileRequest) -> dict[str, Any]:
             "vmem_breakdown": plan.vmem_breakdown(),
         },
     }
+
+
+def _compile(req: CompileRequest, plan: Any, result: dict[str, Any]) -> None:
+    """AOT-compiles the step on the target's compile-only topology; records it in `result`."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import topologies
+    from jax.experimental.layout import Format, Layout
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    from kernels.megakernel.pack import abstract_params
+    from kernels.megakernel.step import megakernel_step
+
     topo = topologies.get_topology_desc(topology_name=TOPOLOGIES[req.target], platform="tpu")
     dev = topo.devices[0]
     sharding = jax.sharding.SingleDeviceSharding(dev)
@@ -162,14 +177,13 @@ def compile_megakernel(req: CompileRequest) -> dict[str, Any]:
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
     mparams = jax.tree.map(sds, abstract_params(plan))
+    pages = plan.pages_per_seq
     n_pages = req.batch * pages + 1  # one null page plus every row's pages
     kv_shape = (plan.num_layers, n_pages, req.page_size, plan.kv)  # the kernel's pool layout
     # The pool is pinned to row-major: for a K/V row that is not a lane multiple (SmolLM2,
     # 192) XLA's default layout of a large pool moves the page dim minor, which the kernel's
     # page DMAs cannot use (it then re-lays out the pool around the kernel). A TPU runner
     # allocates the pool with this same Format.
-    from jax.experimental.layout import Format, Layout
-
     row_major = Format(Layout(major_to_minor=tuple(range(len(kv_shape)))), sharding)
     kv = jax.ShapeDtypeStruct(kv_shape, plan.kv_dtype, sharding=row_major)
     i32 = jnp.int32
@@ -206,7 +220,7 @@ def compile_megakernel(req: CompileRequest) -> dict[str, Any]:
         compiled = traced.lower().compile()
     except Exception as e:  # the compiler's own message is the useful output
         result["error"] = f"{type(e).__name__}: {e}"[:4000]
-        return result
+        return
     finally:
         jax.config.update("jax_enable_compilation_cache", cache_was)
     result["compiled"] = True
@@ -220,4 +234,3 @@ def compile_megakernel(req: CompileRequest) -> dict[str, Any]:
         }
     big = [s for s, _ in plan.hbm_shapes().values()] + [kv_shape]
     result["relayout_copies"] = _relayout_copies(compiled.as_text(), big)
-    return result

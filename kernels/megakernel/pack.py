@@ -7,7 +7,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.megakernel.plan import MegaPlan
+from kernels.megakernel.plan import MegaPlan, VecRow
 
 
 def _pad(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -49,11 +49,11 @@ def pack_megakernel(plan: MegaPlan, params: dict) -> dict[str, Any]:
             b_tiles.append(_pad(wo[cols, :], (ta, dp)))
         a_tiles.append(_pad(wqkv[:, q_size : q_size + kv], (dm, ta)))
         a_tiles.append(_pad(wqkv[:, q_size + kv :], (dm, ta)))
-        vec[li, 0, :dm] = f32["ln_attn"]
-        vec[li, 1, :dm] = f32["ln_mlp"]
+        vec[li, VecRow.LN_ATTN, :dm] = f32["ln_attn"]
+        vec[li, VecRow.LN_MLP, :dm] = f32["ln_mlp"]
         if p.qk_norm:
-            vec[li, 2, :kv] = np.tile(f32["q_norm"], p.num_kv_heads)
-            vec[li, 3, :kv] = np.tile(f32["k_norm"], p.num_kv_heads)
+            vec[li, VecRow.Q_NORM, :kv] = np.tile(f32["q_norm"], p.num_kv_heads)
+            vec[li, VecRow.K_NORM, :kv] = np.tile(f32["k_norm"], p.num_kv_heads)
         if p.is_moe[li]:
             e, i = p.num_experts, p.moe_inter_p
             routers.append(_pad(f32["router"], (dm, p.experts_p)))
@@ -92,6 +92,70 @@ def pack_megakernel(plan: MegaPlan, params: dict) -> dict[str, Any]:
     for name, (shape, _) in p.hbm_shapes().items():
         assert out[name].shape == shape, (name, out[name].shape, shape)
     return out
+
+
+def unpack_megakernel(plan: MegaPlan, mparams: dict) -> dict[str, Any]:
+    """The family's params (`kernels.llama.finish_params` layout, f32) rebuilt from the rings.
+
+    The inverse of `pack_megakernel`, in jnp (traceable), so `step.reference_step` can take
+    the kernel's own arguments. Lane padding the packer added to the dense MLP and the
+    experts' intermediate dim stays: zero gate/up columns and down rows add exact zeros.
+
+    Args:
+      plan: the kernel plan; mparams: `pack_megakernel` output.
+    Returns:
+      dict with embed, lm_head, final_norm, inv_freq, rope_scale, and per layer wqkv, wo,
+      ln_attn, ln_mlp (+ q_norm, k_norm; router for MoE layers), w_gate_up, w_down.
+    """
+    p = plan
+    dm, kv, group = p.hidden, p.kv, p.group
+
+    def f32(a):
+        return jnp.asarray(a).astype(jnp.float32)
+
+    ring_a, ring_b, vec = f32(mparams["ring_a"]), f32(mparams["ring_b"]), f32(mparams["vec"])
+    # Packed q column j (group-major) is original column `order[j]`; argsort inverts that.
+    order = np.concatenate([group_columns(p, g) for g in range(group)])
+    inverse = np.argsort(order)
+    layers = []
+    for li in range(p.num_layers):
+        a0, b0 = p.a_base(li), p.b_base(li)
+        wq = jnp.concatenate([ring_a[a0 + g, :, :kv] for g in range(group)], axis=1)[:, inverse]
+        wk, wv = ring_a[a0 + group, :, :kv], ring_a[a0 + group + 1, :, :kv]
+        wo = jnp.concatenate([ring_b[b0 + g, :kv, :dm] for g in range(group)], axis=0)[inverse]
+        lp = {
+            "wqkv": jnp.concatenate([wq, wk, wv], axis=1),
+            "wo": wo,
+            "ln_attn": vec[li, VecRow.LN_ATTN, :dm],
+            "ln_mlp": vec[li, VecRow.LN_MLP, :dm],
+        }
+        if p.qk_norm:  # packed once per kv head; every copy is the same
+            lp["q_norm"] = vec[li, VecRow.Q_NORM, : p.head_dim]
+            lp["k_norm"] = vec[li, VecRow.K_NORM, : p.head_dim]
+        if p.is_moe[li]:
+            mi = p.moe_index(li)
+            gate_up = f32(mparams["expert_gu"][mi])  # [E, 2, D, I_p]
+            lp["router"] = f32(mparams["router"][mi])[:, : p.num_experts]
+            lp["w_gate_up"] = jnp.concatenate([gate_up[:, 0], gate_up[:, 1]], axis=-1)
+            lp["w_down"] = f32(mparams["expert_down"][mi])[:, :, :dm]
+        else:
+            first = a0 + group + 2  # gate, up alternate after q, k, v
+            tiles = range(p.ffn_tiles)
+            gate = jnp.concatenate([ring_a[first + 2 * t] for t in tiles], axis=1)
+            up = jnp.concatenate([ring_a[first + 2 * t + 1] for t in tiles], axis=1)
+            lp["w_gate_up"] = jnp.concatenate([gate, up], axis=1)
+            down = [ring_b[b0 + group + t, :, :dm] for t in tiles]
+            lp["w_down"] = jnp.concatenate(down, axis=0)
+        layers.append(lp)
+    lm_head = jnp.concatenate([ring_a[p.lm_base + t] for t in range(p.vocab_tiles)], axis=1)
+    return {
+        "embed": f32(mparams["embed"]),
+        "lm_head": lm_head[:, : p.vocab],
+        "final_norm": f32(mparams["final_norm"])[0, :dm],
+        "inv_freq": mparams["inv_freq"],
+        "rope_scale": mparams["rope_scale"],
+        "layers": layers,
+    }
 
 
 def abstract_params(plan: MegaPlan) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from enum import IntEnum
 from typing import Any
 
 import jax.numpy as jnp
@@ -14,6 +15,15 @@ import numpy as np
 VMEM_BYTES = 64 * 2**20
 VMEM_HEADROOM = 8 * 2**20
 LANES = 128
+
+
+class VecRow(IntEnum):
+    """Rows of one layer's block in the per-layer vector ring (`pack_megakernel` fills them)."""
+
+    LN_ATTN = 0
+    LN_MLP = 1
+    Q_NORM = 2
+    K_NORM = 3
 
 
 def round_up(n: int, m: int) -> int:
@@ -142,7 +152,7 @@ class MegaPlan:
 
     @property
     def vec_rows(self) -> int:
-        return 8  # ln_attn, ln_mlp, q_norm, k_norm; padded to the f32 sublane tile
+        return 8  # the `VecRow`s, padded to the f32 sublane tile
 
     @property
     def vec_width(self) -> int:
@@ -194,8 +204,6 @@ class MegaPlan:
             Scratch("sem_w", (b, 2), None, "sem"),
             Scratch("h", (b, dp), jnp.float32),
             Scratch("q", (b, g, 1, kv), jnp.float32),
-            Scratch("knew", (b, 1, kv), jnp.float32),
-            Scratch("vnew", (b, 1, kv), jnp.float32),
             Scratch("m", (b, g, 1, LANES), jnp.float32),
             Scratch("l", (b, g, 1, LANES), jnp.float32),
             Scratch("acc", (b, g, 1, kv), jnp.float32),
@@ -211,7 +219,6 @@ class MegaPlan:
                 Scratch("egu", (self.depth_e, 2, self.hidden, i), wd),
                 Scratch("edown", (self.depth_e, i, dp), wd),
                 Scratch("sem_e", (self.depth_e, 2), None, "sem"),
-                Scratch("coef", (b, ep), jnp.float32),
                 Scratch("used_v", (1, ep), jnp.int32),
                 Scratch("used_s", (1, ep), jnp.int32, "smem"),
                 Scratch("elist", (ep,), jnp.int32, "smem"),

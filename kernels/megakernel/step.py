@@ -10,8 +10,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kernels import llama, qwen3_moe
+from kernels.llama import LlamaConfig
 from kernels.megakernel import kernel as K
+from kernels.megakernel.pack import unpack_megakernel
 from kernels.megakernel.plan import VMEM_BYTES, VMEM_HEADROOM, MegaPlan
+from kernels.qwen3_moe import Qwen3MoeConfig
+from kernels.rope import RopeConfig
 
 
 def step_inputs(plan: MegaPlan, mparams: dict, tokens, positions, page_table) -> dict[str, Any]:
@@ -170,14 +175,75 @@ def megakernel_step(
     )
 
 
-def reference_step(family, cfg, params, k_cache, v_cache, tokens, positions, page_table):
-    """The XLA/reference decode step with the megakernel's signature and returns.
+def _family_config(plan: MegaPlan) -> Any:
+    """The family config `kernels.llama.forward` reads, rebuilt from the plan's sizes."""
+    p = plan
+    fields = dict(
+        model_type="qwen3" if p.qk_norm else "llama",
+        vocab_size=p.vocab,
+        hidden_size=p.hidden,
+        intermediate_size=p.ffn_tiles * p.ta,  # as unpacked: padded to whole tiles
+        num_layers=p.num_layers,
+        num_heads=p.num_heads,
+        num_kv_heads=p.num_kv_heads,
+        head_dim=p.head_dim,
+        rms_norm_eps=p.eps,
+        max_position_embeddings=0,  # not read by forward
+        # Not read either: forward takes the RoPE tables (inv_freq, rope_scale) from params.
+        rope=RopeConfig(head_dim=p.head_dim, theta=10000.0),
+        qk_norm=p.qk_norm,
+    )
+    if not p.moe_layers:
+        return LlamaConfig(**fields)
+    return Qwen3MoeConfig(
+        **(fields | {"model_type": "qwen3_moe"}),
+        num_experts=p.num_experts,
+        top_k=p.top_k,
+        norm_topk_prob=p.norm_topk_prob,
+        moe_intermediate_size=p.moe_inter_p,
+        moe_layers=p.moe_layers,
+    )
 
+
+def reference_step(
+    plan: MegaPlan,
+    mparams: dict,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    tokens: jax.Array,
+    positions: jax.Array,
+    page_table: jax.Array,
+    interpret: bool = False,
+):
+    """The pure-JAX reference of `megakernel_step`: the same arguments and returns.
+
+    Runs the family's XLA decode step (`kernels.llama.forward`, with the Qwen3-MoE MLP when
+    the plan has MoE layers) in f32 on the weights `unpack_megakernel` rebuilds from
+    `mparams`, over the same pool: read in f32, the new K/V written in the pool's dtype.
+
+    Args:
+      as `megakernel_step`; `interpret` is accepted and ignored (there is no kernel).
     Returns:
       (i32[B] greedy tokens, f32[B, V] logits, k_cache, v_cache, None).
     """
+    del interpret
+    p = plan
+    params = unpack_megakernel(p, mparams)
+    nl, n_pages, ps = k_cache.shape[:3]
+    k5 = k_cache.reshape(nl, n_pages, ps, p.num_kv_heads, p.head_dim)  # forward's layout
+    v5 = v_cache.reshape(nl, n_pages, ps, p.num_kv_heads, p.head_dim)
+    mlp = qwen3_moe.moe_mlp if p.moe_layers else llama.dense_mlp
     zeros = jnp.zeros(tokens.shape, jnp.int32)
-    logits, k, v = family.forward(
-        cfg, params, tokens[:, None], positions[:, None], k_cache, v_cache, page_table, zeros
+    logits, k5, v5 = llama.forward(
+        _family_config(p),
+        params,
+        tokens[:, None],
+        positions[:, None],
+        k5,
+        v5,
+        page_table,
+        zeros,
+        mlp=mlp,
     )
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits, k, v, None
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return greedy, logits, k5.reshape(k_cache.shape), v5.reshape(v_cache.shape), None

@@ -1,10 +1,18 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class CacheKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CACHE_KIND_UNSPECIFIED: _ClassVar[CacheKind]
+    CACHE_KIND_PAGED_KV: _ClassVar[CacheKind]
+CACHE_KIND_UNSPECIFIED: CacheKind
+CACHE_KIND_PAGED_KV: CacheKind
 
 class KVTrailer(_message.Message):
     __slots__ = ("first_token",)
@@ -13,18 +21,32 @@ class KVTrailer(_message.Message):
     def __init__(self, first_token: _Optional[int] = ...) -> None: ...
 
 class KVHeader(_message.Message):
-    __slots__ = ("request_id", "num_layers", "first_page", "num_pages", "dtype")
+    __slots__ = ("request_id", "num_layers", "first_page", "num_pages", "dtype", "cache_kind", "page_size", "head_start", "head_end", "head_dim", "has_scales", "layout_version")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     FIRST_PAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_KIND_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    HEAD_END_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    HAS_SCALES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_layers: int
     first_page: int
     num_pages: int
     dtype: str
-    def __init__(self, request_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., first_page: _Optional[int] = ..., num_pages: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    cache_kind: CacheKind
+    page_size: int
+    head_start: int
+    head_end: int
+    head_dim: int
+    has_scales: bool
+    layout_version: int
+    def __init__(self, request_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., first_page: _Optional[int] = ..., num_pages: _Optional[int] = ..., dtype: _Optional[str] = ..., cache_kind: _Optional[_Union[CacheKind, str]] = ..., page_size: _Optional[int] = ..., head_start: _Optional[int] = ..., head_end: _Optional[int] = ..., head_dim: _Optional[int] = ..., has_scales: _Optional[bool] = ..., layout_version: _Optional[int] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("layer_start", "layer_end", "page_index", "shape", "data", "crc32", "pull")

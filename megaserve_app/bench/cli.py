@@ -143,6 +143,7 @@ def cmd_bench_decode(a: argparse.Namespace) -> int:
 
     from megaserve.checkpoint import resolve_checkpoint_path
     from megaserve.model import LoadedModel
+    from megaserve_app.bench import summary
     from megaserve_app.bench.decode import bench_ours, measure_read_bandwidth
 
     batches = [int(b) for b in a.batch.split(",")]
@@ -165,8 +166,8 @@ def cmd_bench_decode(a: argparse.Namespace) -> int:
             # Quantized weights read fewer bytes than ours; only same-precision rows share a floor.
             if r.get("precision") == ours[r["batch"]]["precision"]:
                 r["bytes_per_step"] = nbytes
-                r["floor_ms"] = 1000 * nbytes / bw
-                r["floor_fraction"] = r["floor_ms"] / r["ms_per_step"]
+                r["floor_ms"] = summary.floor_ms(nbytes, bw)
+                r["floor_fraction"] = summary.floor_fraction(r["floor_ms"], r["ms_per_step"])
         rows.append(r)
     _print_table(rows, bw)
     if a.json_out:
@@ -326,7 +327,8 @@ def cmd_bench_router(a) -> int:
 
 
 def cmd_bench_serve(a) -> int:
-    from megaserve_app.bench.serve import Mix, Settings, bench_serve, markdown_table, plot
+    from megaserve_app.bench.serve import Mix, Settings, bench_serve
+    from megaserve_app.bench.serve_report import markdown_table, plot
 
     s = Settings(
         checkpoint=a.checkpoint,

@@ -11,8 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels.kv_cache import KVPool
-from kernels.xla_step import SamplingArrays, StepConfig, XlaRunner
 from megaserve.model import LoadedModel
+from megaserve.runner.batch import TokenBatch
+from megaserve.runner.buckets import StepConfig
+from megaserve.runner.xla import XlaRunner
+from megaserve.sampling_params import SamplingArrays
+from megaserve_app.bench import summary
 
 
 @dataclass(frozen=True)
@@ -95,12 +99,12 @@ def time_decode(
     times = []
     for i in range(warmup + steps):
         t = time.perf_counter()
-        toks, _ = runner.decode(tokens, pos, table, sampling)
+        toks, _ = runner.decode(TokenBatch.decode(tokens, pos, table), sampling)
         dt = time.perf_counter() - t
         tokens, pos = toks[-1], pos + steps_per_call
         if i >= warmup:
             times.append(dt / steps_per_call)
-    return 1000 * float(np.median(times)), pool.k.dtype.itemsize
+    return summary.median_ms(times), pool.k.dtype.itemsize
 
 
 def bench_ours(
@@ -118,7 +122,7 @@ def bench_ours(
         model, model.cfg, batch, context, steps, warmup, page_size, steps_per_call
     )
     nbytes = step_bytes(model, batch, context, itemsize)
-    floor_ms = 1000 * nbytes / bandwidth
+    floor_ms = summary.floor_ms(nbytes, bandwidth)
     prec = {"float32": "f32", "bfloat16": "bf16"}[str(model.params["embed"].dtype)]
     return DecodeRow(
         "megaserve-xla",
@@ -126,8 +130,8 @@ def bench_ours(
         batch,
         context,
         ms,
-        batch * 1000 / ms,
+        summary.tokens_per_s(batch, ms),
         nbytes,
         floor_ms,
-        floor_ms / ms,
+        summary.floor_fraction(floor_ms, ms),
     )

@@ -12,10 +12,12 @@ from decode_service.engine import DecodeEngine, EngineConfig
 from decode_service.scheduler import SchedulerConfig
 from decode_service.server import create_server as create_decode
 from megaserve.model import LoadedModel
-from megaserve.rpc import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from megaserve.rpc import decode_pb2, decode_pb2_grpc
 from megaserve.server_thread import ServerThread
+from megaserve_app.bench import summary
 from prefill_service.engine import PrefillConfig, PrefillEngine
 from prefill_service.server import create_server as create_prefill
+from router.workers import WorkerClients, handoff
 
 
 def memcpy_gbps(nbytes: int, repeats: int = 5) -> float:
@@ -53,47 +55,31 @@ def _start(model: LoadedModel, max_context: int):
 
 
 async def _one(d_addr, p_addr, rid, prompt, transport) -> dict:
-    async with grpc.aio.insecure_channel(d_addr) as dch, grpc.aio.insecure_channel(p_addr) as pch:
-        dec, pre = decode_pb2_grpc.DecodeStub(dch), prefill_pb2_grpc.PrefillStub(pch)
+    clients = WorkerClients()
+    try:
         t0 = time.perf_counter()
-        res = await dec.Reserve(
-            decode_pb2.ReserveRequest(request_id=rid, prompt_token_ids=prompt, lease_ms=600_000)
+        h = await handoff(
+            clients, d_addr, p_addr, rid, prompt, lease_ms=600_000, transport=transport
         )
-        t1 = time.perf_counter()
-        pr = await pre.Prefill(
-            prefill_pb2.PrefillRequest(
-                request_id=rid,
-                prompt_token_ids=prompt,
-                decode_address=d_addr,
-                cached_pages=res.cached_pages,
-                page_size=res.page_size,
-                transport=transport,
-            )
-        )
-        t2 = time.perf_counter()
+        pr = h.prefill
+        t1 = t0 + h.reserve_s
+        t2 = t1 + h.prefill_s
         req = decode_pb2.GenerateRequest(
             request_id=rid,
             prompt_token_ids=prompt,
             stopping=decode_pb2.StoppingParams(max_tokens=2, ignore_eos=True),
         )
         stamps = []
-        async for _ in dec.Generate(req):
+        async for _ in clients.decode(d_addr).Generate(req):
             stamps.append(time.perf_counter())
         # Tail of the transfer not hidden behind compute = time after compute ended.
-        tail = max(0.0, pr.first_chunk_sent_ms + pr.transfer_ms - pr.compute_ms)
-        return {
-            "prompt": len(prompt),
-            "bytes": pr.bytes_sent,
-            "reserve_ms": 1000 * (t1 - t0),
-            "prefill_compute_ms": pr.compute_ms,
-            "transfer_ms": pr.transfer_ms,
-            "transfer_tail_ms": tail,
-            "hidden_fraction": 1 - tail / pr.transfer_ms if pr.transfer_ms else 1.0,
-            "prefill_rpc_ms": 1000 * (t2 - t1),
-            "first_token_ms": 1000 * (stamps[0] - t0),
-            "first_decode_step_ms": 1000 * (stamps[1] - stamps[0]),
-            "transfer_GBps": pr.bytes_sent / max(pr.transfer_ms, 1e-6) / 1e6,
-        }
+        return summary.handoff_row(
+            len(prompt), pr.bytes_sent, pr.compute_ms, pr.transfer_ms, pr.first_chunk_sent_ms,
+            t0, t1, t2, stamps,
+        )  # fmt: skip
+
+    finally:
+        await clients.close()
 
 
 def bench_disagg(model: LoadedModel, lengths=(128, 1024, 4096)) -> list[dict]:
@@ -119,8 +105,8 @@ async def _raw_push(d_addr, rid, prompt, k, v, transport) -> float:
     """Seconds for one Push of pre-made pages into a fresh reservation (transport only)."""
     import jax.numpy as jnp
 
+    from megaserve.kv import wire
     from megaserve.rpc import kv_transfer_pb2_grpc
-    from prefill_service import kv_sender
 
     async with grpc.aio.insecure_channel(
         d_addr, options=[("grpc.max_send_message_length", 64 << 20)]
@@ -131,15 +117,11 @@ async def _raw_push(d_addr, rid, prompt, k, v, transport) -> float:
         )
         t = time.perf_counter()
         if transport == 1:
-            body = [kv_sender.pull_message(0, jnp.asarray(k), jnp.asarray(v))]
+            body = [wire.pull_message(0, jnp.asarray(k), jnp.asarray(v))]
         else:
-            body = list(kv_sender.chunk_messages(0, k, v))
-        n_layers, n_pages = k.shape[:2]
-        msgs = [
-            kv_sender.header(rid, n_layers, 0, n_pages, str(k.dtype)),
-            *body,
-            kv_sender.trailer(0),
-        ]
+            body = list(wire.chunk_messages(0, k, v))
+        header = wire.header(rid, wire.PageGeometry.of_pages(k), 0, k.shape[1])
+        msgs = [header, *body, wire.trailer(0)]
         await kv_transfer_pb2_grpc.KVTransferStub(ch).Push(iter(msgs))
         dt = time.perf_counter() - t
         await dec.Release(decode_pb2.ReleaseRequest(request_id=rid))
@@ -164,18 +146,7 @@ def bench_raw_transfer(model: LoadedModel, tokens: int = 4096) -> list[dict]:
                 for i in range(3)
             )
             nbytes = 2 * k.nbytes
-            gbps = nbytes / best / 1e9
-            mc = memcpy_gbps(nbytes)
-            rows.append(
-                {
-                    "transport": name,
-                    "bytes": nbytes,
-                    "seconds": best,
-                    "GBps": gbps,
-                    "memcpy_GBps": mc,
-                    "ratio": gbps / mc,
-                }
-            )
+            rows.append(summary.raw_transfer_row(name, nbytes, best, memcpy_gbps(nbytes)))
     finally:
         stop()
     return rows

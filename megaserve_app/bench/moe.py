@@ -12,6 +12,7 @@ from kernels import qwen3_moe
 from kernels.kv_cache import KVPool
 from kernels.moe import route
 from megaserve.model import LoadedModel
+from megaserve_app.bench import summary
 from megaserve_app.bench.decode import time_decode
 
 # A small Qwen3-MoE: 12 layers, 64 experts, top-8 (Qwen3-30B-A3B's routing shape, scaled).
@@ -129,14 +130,14 @@ def bench_moe(
         experts_read = per_expert * cfg.num_experts * len(cfg.moe_layers)
     kv = batch * context * cfg.num_layers * 2 * cfg.kv_size * 4
     floor_bytes = dense + int(distinct * per_expert * len(cfg.moe_layers)) + kv
-    floor_ms = 1000 * floor_bytes / bandwidth
+    floor_ms = summary.floor_ms(floor_bytes, bandwidth)
     return {
         "engine": f"megaserve-xla-moe[{impl}]",
         "precision": "f32",
         "batch": batch,
         "context": context,
         "ms_per_step": ms,
-        "tokens_per_s": batch * 1000 / ms,
+        "tokens_per_s": summary.tokens_per_s(batch, ms),
         "dense_bytes": dense,
         "expert_bytes_read": experts_read,
         "kv_bytes": kv,
@@ -144,5 +145,5 @@ def bench_moe(
         "experts_total": cfg.num_experts,
         "bytes_per_step": dense + experts_read + kv,
         "floor_ms": floor_ms,
-        "floor_fraction": floor_ms / ms,
+        "floor_fraction": summary.floor_fraction(floor_ms, ms),
     }

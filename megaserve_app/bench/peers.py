@@ -1,4 +1,10 @@
-"""Decode-speed baselines for peer engines (HF transformers, llama.cpp) on a GGUF model."""
+"""Decode-speed baselines for peer engines (HF transformers, llama.cpp) on a GGUF model.
+
+Why this is long: it runs alone, as a script, in the Python 3.11 reference environment
+(torch, transformers, llama-cpp-python; megaserve is not installed there), so the GGUF
+conversion, both peers' measurement loops and the one-process-per-row orchestration share
+this file instead of importing each other.
+"""
 
 from __future__ import annotations
 

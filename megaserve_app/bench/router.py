@@ -16,6 +16,7 @@ import numpy as np
 from megaserve.rpc import decode_pb2, decode_pb2_grpc
 from megaserve.v1 import generation_pb2 as pb
 from megaserve.v1 import generation_pb2_grpc as pbg
+from megaserve_app.bench import summary
 from megaserve_app.launch import Cluster, RedisProcess, worker_stats
 
 
@@ -46,10 +47,6 @@ class Workload:
                 )
         order = rng.permutation(len(out))
         return [out[i] for i in order]
-
-
-def _pct(xs, q) -> float:
-    return float(np.percentile(xs, q)) if xs else float("nan")
 
 
 async def _one(stub, prompt, max_tokens, rid, session=""):
@@ -91,18 +88,7 @@ async def drive(addresses: list[str], prompts, wl: Workload, tag: str, sessions=
     wall = time.perf_counter() - t0
     for c in chans:
         await c.close()
-    prompt_toks = sum(r["usage"].prompt_tokens for r in results)
-    cached = sum(r["usage"].cached_tokens for r in results)
-    ttft = [1000 * r["ttft"] for r in results]
-    return {
-        "requests": len(results),
-        "hit_rate": cached / max(prompt_toks, 1),
-        "ttft_mean_ms": float(np.mean(ttft)),
-        "ttft_p50_ms": _pct(ttft, 50),
-        "ttft_p99_ms": _pct(ttft, 99),
-        "output_tok_s": sum(r["tokens"] for r in results) / wall,
-        "wall_s": wall,
-    }
+    return summary.drive_summary(results, wall)
 
 
 def _warm(
@@ -224,12 +210,11 @@ def bench_policies(
                 )
             )
             share = [worker_stats(w.address).requests - b for w, b in zip(st.decoders, before)]
-            fair = len(prompts) / decode_workers
             row |= {
                 "policy": policy,
                 "routers": n_routers,
                 "per_worker_requests": share,
-                "max_over_fair": max(share) / fair,
+                "max_over_fair": summary.max_over_fair(share, len(prompts)),
             }
             log(
                 f"{policy:>16} x{n_routers}: hit {100 * row['hit_rate']:5.1f}%  "
@@ -292,10 +277,7 @@ def bench_overhead(
         for _ in range(3):
             direct += asyncio.run(seq_direct())
             via += asyncio.run(seq_router())
-        out["direct_p50_ms"], out["direct_p99_ms"] = _pct(direct, 50), _pct(direct, 99)
-        out["router_p50_ms"], out["router_p99_ms"] = _pct(via, 50), _pct(via, 99)
-        out["added_p50_ms"] = out["router_p50_ms"] - out["direct_p50_ms"]
-        out["added_p99_ms"] = out["router_p99_ms"] - out["direct_p99_ms"]
+        out |= summary.router_overhead(direct, via)
         wl = Workload(max_tokens=max_tokens, concurrency=concurrency)
         load = [(f"u{i}", p) for i, p in enumerate(prompts * 2)]
         one = asyncio.run(drive(addrs[:1], load, wl, "thr1"))

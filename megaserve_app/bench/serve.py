@@ -16,7 +16,6 @@ import re
 import signal
 import sys
 import tempfile
-import textwrap
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -27,7 +26,8 @@ import numpy as np
 
 from megaserve.v1 import generation_pb2 as pb
 from megaserve.v1 import generation_pb2_grpc as pbg
-from megaserve_app.bench.router import _pct
+from megaserve_app.bench import summary
+from megaserve_app.bench.serve_report import markdown_table, plot  # noqa: F401 (re-exported)
 from megaserve_app.launch import Cluster, RedisProcess, worker_stats
 
 DEFAULT_MIX = "short:32-128:0.6,medium:256-512:0.3,long:1024-1536:0.1"
@@ -144,32 +144,18 @@ async def _request(stub, prompt: list[int], max_tokens: int, rid: str) -> dict:
         stopping=pb.StoppingParams(max_tokens=max_tokens, ignore_eos=True),
     )
     t0 = time.perf_counter()
-    first = prev = None
-    tokens, gaps = 0, []
+    arrivals = []  # (time, tokens) of each message that carried tokens
     try:
         async for r in stub.Generate(req, timeout=900):
             n = len(r.token_ids)
             if not n:
                 continue
-            now = time.perf_counter()
-            if first is None:
-                first = now
-            else:
-                gaps.extend([(now - prev) / n] * n)
-            prev = now
-            tokens += n
+            arrivals.append((time.perf_counter(), n))
     except grpc.aio.AioRpcError as e:
         return {"error": f"{e.code().name}: {e.details()}", "prompt": len(prompt)}
-    if first is None:
+    if not arrivals:
         return {"error": "no tokens streamed", "prompt": len(prompt)}
-    return {
-        "prompt": len(prompt),
-        "tokens": tokens,
-        "ttft": first - t0,
-        "gaps": gaps,
-        "itl_mean": float(np.mean(gaps)) if gaps else 0.0,
-        "total": prev - t0,
-    }
+    return summary.stream_result(len(prompt), t0, arrivals)
 
 
 async def closed_loop(address: str, requests, concurrency: int, tag: str) -> tuple[list, float]:
@@ -189,28 +175,7 @@ async def closed_loop(address: str, requests, concurrency: int, tag: str) -> tup
 
 
 def summarize(results: list[dict], wall: float, s: Settings) -> dict:
-    ok = [r for r in results if "error" not in r]
-    ttft = [1000 * r["ttft"] for r in ok]
-    gaps = [1000 * g for r in ok for g in r["gaps"]]
-    met = [
-        r for r in ok if 1000 * r["ttft"] <= s.slo_ttft_ms and 1000 * r["itl_mean"] <= s.slo_itl_ms
-    ]
-    return {
-        "requests": len(results),
-        "errors": len(results) - len(ok),
-        "error_messages": sorted({r["error"] for r in results if "error" in r})[:5],
-        "wall_s": wall,
-        "prompt_tokens_mean": float(np.mean([r["prompt"] for r in results])),
-        "output_tokens": sum(r["tokens"] for r in ok),
-        "ttft_p50_ms": _pct(ttft, 50),
-        "ttft_p99_ms": _pct(ttft, 99),
-        "itl_p50_ms": _pct(gaps, 50),
-        "itl_p99_ms": _pct(gaps, 99),
-        "output_tok_s": sum(r["tokens"] for r in ok) / wall,
-        "req_s": len(ok) / wall,
-        "goodput_req_s": len(met) / wall,
-        "slo_met_fraction": len(met) / max(len(results), 1),
-    }
+    return summary.serve_summary(results, wall, s.slo_ttft_ms, s.slo_itl_ms)
 
 
 class CompileCounter:
@@ -376,73 +341,3 @@ def _result(s: Settings, rows: list[dict], t_start: float, partial: bool = False
     settings = asdict(s) | {"mix": s.mix.describe(), "mix_spec": asdict(s.mix)}
     out = {"settings": settings, "rows": list(rows), "runtime_s": time.perf_counter() - t_start}
     return out | ({"partial": True} if partial else {})
-
-
-def markdown_table(rows: list[dict]) -> str:
-    head = (
-        "| layout | conc | requests | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
-        "| out tok/s | req/s | goodput req/s | SLO met | errors |\n"
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n"
-    )
-    body = "".join(
-        f"| {r['layout']} | {r['concurrency']} | {r['requests']} | {r['ttft_p50_ms']:.0f} "
-        f"| {r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} "
-        f"| {r['output_tok_s']:.1f} | {r['req_s']:.2f} | {r['goodput_req_s']:.2f} "
-        f"| {100 * r['slo_met_fraction']:.0f}% | {r['errors']} |\n"
-        for r in sorted(rows, key=lambda r: (r["layout"], r["concurrency"]))
-    )
-    return head + body
-
-
-def plot(rows: list[dict], path: str | Path, title: str = "") -> Path:
-    """2x2: TTFT, ITL (p50 solid, p99 dashed), output tok/s, goodput (req/s dotted)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import NullLocator
-
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    panels = [
-        (axes[0, 0], "TTFT (ms)", [("ttft_p50_ms", "-", "p50"), ("ttft_p99_ms", "--", "p99")]),
-        (
-            axes[0, 1],
-            "inter-token latency (ms)",
-            [("itl_p50_ms", "-", "p50"), ("itl_p99_ms", "--", "p99")],
-        ),
-        (axes[1, 0], "output tokens/s", [("output_tok_s", "-", "")]),
-        (axes[1, 1], "requests/s", [("goodput_req_s", "-", "goodput"), ("req_s", ":", "all")]),
-    ]
-    layouts = list(dict.fromkeys(r["layout"] for r in rows))
-    levels = sorted({r["concurrency"] for r in rows})
-    colors = dict(zip(layouts, ["tab:blue", "tab:orange", "tab:green", "tab:red"]))
-    for ax, ylabel, series in panels:
-        for lay in layouts:
-            rs = sorted((r for r in rows if r["layout"] == lay), key=lambda r: r["concurrency"])
-            xs = [r["concurrency"] for r in rs]
-            for key, style, label in series:
-                ax.plot(
-                    xs,
-                    [r[key] for r in rs],
-                    style,
-                    marker="o",
-                    color=colors[lay],
-                    label=f"{lay} {label}".strip(),
-                )
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(levels, [str(c) for c in levels])
-        ax.xaxis.set_minor_locator(NullLocator())
-        ax.set_xlabel("concurrency (closed-loop clients)")
-        ax.set_ylabel(ylabel)
-        if series[0][0].startswith(("ttft", "itl")):
-            ax.set_yscale("log")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(textwrap.fill(title, 130), fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

@@ -14,6 +14,7 @@ from decode_service.server import create_server
 from megaserve.model import LoadedModel
 from megaserve.rpc import decode_pb2, decode_pb2_grpc
 from megaserve.server_thread import ServerThread
+from megaserve_app.bench import summary
 
 
 def start_worker(model: LoadedModel, cfg: EngineConfig):
@@ -76,29 +77,8 @@ def bench_server(
         results = [asyncio.run(wave(k)) for k in range(rounds)]
     finally:
         stop()
-    itl, ttft, decode_tps = [], [], []
-    for stamps, _ in results:
-        # Decode throughput over the window where every stream is past its first token.
-        start = max(ts[0] for _, ts in stamps)
-        end = min(ts[-1] for _, ts in stamps)
-        n = sum(sum(1 for x in ts if start < x <= end) for _, ts in stamps)
-        if end > start:
-            decode_tps.append(n / (end - start))
-        for t0, ts in stamps:
-            ttft.append(ts[0] - t0)
-            itl.extend(np.diff(ts).tolist())
-    total = sum(len(ts) for stamps, _ in results for _, ts in stamps)
-    wall = sum(w for _, w in results)
-    return {
-        "concurrency": concurrency,
-        "prompt_len": prompt_len,
-        "new_tokens": new_tokens,
-        "output_tokens_per_s": total / wall,
-        "decode_tokens_per_s": float(np.median(decode_tps)) if decode_tps else 0.0,
-        "itl_p50_ms": 1000 * float(np.percentile(itl, 50)),
-        "itl_p99_ms": 1000 * float(np.percentile(itl, 99)),
-        "ttft_p50_ms": 1000 * float(np.percentile(ttft, 50)),
-    }
+    # Decode throughput over the window where every stream is past its first token.
+    return summary.server_row(results, concurrency, prompt_len, new_tokens)
 
 
 def admission_cost(
@@ -139,12 +119,8 @@ def admission_cost(
         stamps, t_admit, t_first = asyncio.run(main())
     finally:
         stop()
-    gaps, during = [], []
-    for _, ts in stamps:
-        d = np.diff(ts)
-        gaps.extend(d.tolist())
-        # Gaps overlapping the newcomer's prefill (arrival to its first token).
-        during.extend(g for g, a, b in zip(d, ts[:-1], ts[1:]) if b > t_admit and a < t_first)
+    # Gaps overlapping the newcomer's prefill (arrival to its first token).
+    gaps, during = summary.admission_gaps(stamps, t_admit, t_first)
     return {
         "running": running,
         "prompt_len": prompt_len,

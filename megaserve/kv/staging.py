@@ -3,24 +3,10 @@
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
 
 import numpy as np
 
-
-class TransferError(ValueError):
-    """A chunk or stream that must not reach the pool; the message names the bad field."""
-
-
-@dataclass(frozen=True)
-class PageGeometry:
-    """What one page holds on the receiver: [L, page_size, kv_heads, head_dim] of K and of V."""
-
-    num_layers: int
-    page_size: int
-    kv_heads: int
-    head_dim: int
-    dtype: str
+from megaserve.kv.wire import PageGeometry, TransferError, check_header
 
 
 class KVImport:
@@ -31,12 +17,7 @@ class KVImport:
     """
 
     def __init__(self, geo: PageGeometry, reserved_pages: int, cached_pages: int, header):
-        if header.num_layers != geo.num_layers:
-            raise TransferError(
-                f"num_layers={header.num_layers}, this worker's model has {geo.num_layers}"
-            )
-        if header.dtype != geo.dtype:
-            raise TransferError(f"dtype={header.dtype!r}, the pool holds {geo.dtype!r}")
+        check_header(header, geo)
         if header.first_page != cached_pages or header.first_page + header.num_pages != (
             reserved_pages
         ):
@@ -121,19 +102,3 @@ class KVImport:
         if list(out.shape) != want or str(out.dtype) != self.geo.dtype:
             raise TransferError(f"pulled {out.dtype}{list(out.shape)} != {self.geo.dtype}{want}")
         return out
-
-
-def make_chunk(k: np.ndarray, v: np.ndarray, layer_start: int, page_index: list[int]):
-    """Sender side: one chunk from K/V f32[layers, pages, page_size, kv_heads, head_dim]."""
-    from megaserve.rpc import kv_transfer_pb2
-
-    arr = np.ascontiguousarray(np.stack([k, v]))
-    data = arr.tobytes()
-    return kv_transfer_pb2.KVChunk(
-        layer_start=layer_start,
-        layer_end=layer_start + k.shape[0],
-        page_index=page_index,
-        shape=list(arr.shape),
-        data=data,
-        crc32=zlib.crc32(data),
-    )

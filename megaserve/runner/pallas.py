@@ -1,4 +1,4 @@
-"""The `pallas` decode backend: XlaRunner's interface, each decode step one megakernel call."""
+"""The `pallas` backend: XLA prefill programs, each decode step one megakernel call."""
 
 from __future__ import annotations
 
@@ -13,17 +13,20 @@ import numpy as np
 from kernels.megakernel.pack import pack_megakernel
 from kernels.megakernel.plan import MegaPlan, make_plan
 from kernels.megakernel.step import megakernel_step
-from kernels.xla_step import SamplingArrays, XlaRunner, _pick
+from kernels.xla_step import pick
+from megaserve.runner.batch import TokenBatch
+from megaserve.runner.xla import XlaRunner
+from megaserve.sampling_params import SamplingArrays
 
 
 def _pallas_decode(plan: MegaPlan, interpret: bool, mparams, k, v, tok, pos, pt, s):
     toks, logits, k, v, _ = megakernel_step(plan, mparams, k, v, tok, pos, pt, interpret)
     # Greedy rows keep the kernel's in-kernel argmax; sampled or penalized rows are picked
-    # from the kernel's logits in XLA (the same `_pick` as the XLA backend).
+    # from the kernel's logits in XLA (the same `pick` as the XLA backend).
     if "counts" in s:
-        nxt = _pick(logits, s, pos + 1)
+        nxt = pick(logits, s, pos + 1)
     else:
-        nxt = jnp.where(s["temperature"] > 0, _pick(logits, s, pos + 1), toks)
+        nxt = jnp.where(s["temperature"] > 0, pick(logits, s, pos + 1), toks)
     return nxt, logits, k, v
 
 
@@ -51,17 +54,16 @@ class MegakernelRunner(XlaRunner):
 
     def decode(
         self,
-        tokens: np.ndarray,
-        positions: np.ndarray,
-        page_table: np.ndarray,
+        batch: TokenBatch,
         sampling: SamplingArrays,
         n_steps: int | None = None,
         want_logits: bool = False,
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """As `XlaRunner.decode`; n_steps > 1 runs one kernel call per step."""
         n_steps = n_steps or self.step_cfg.steps_per_call
-        n, b, tok, pos, pt = self._pad_decode_batch(tokens, positions, page_table)
-        key = (b, pt.shape[1])
+        p = self.pad_decode(batch)
+        b = len(p.tokens)
+        key = (b, p.page_table.shape[1])
         if key not in self._pallas:
             plan = self.plan_for(*key)
             self._pallas[key] = jax.jit(
@@ -70,15 +72,16 @@ class MegakernelRunner(XlaRunner):
         self.program_keys.add(("pallas_decode", *key, sampling.counts is not None))
         s = sampling.padded(b)
         rows = np.arange(b)
+        tok, pos = p.tokens, p.positions
         out_t, out_l = [], []
         for _ in range(n_steps):
             nxt, logits, self.pool.k, self.pool.v = self._pallas[key](
-                self.mparams, self.pool.k, self.pool.v, tok, pos, pt, s
+                self.mparams, self.pool.k, self.pool.v, tok, pos, p.page_table, s
             )
             nxt = np.asarray(nxt)
-            out_t.append(nxt[:n])
+            out_t.append(nxt[: p.rows])
             if want_logits:
-                out_l.append(np.asarray(logits)[:n])
+                out_l.append(np.asarray(logits)[: p.rows])
             if "counts" in s:
                 s = s | {"counts": s["counts"].copy(), "seen": s["seen"].copy()}
                 s["counts"][rows, nxt] += 1

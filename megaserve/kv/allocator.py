@@ -5,10 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 from kernels.paged_attention import NULL_PAGE
-
-
-class OutOfPages(Exception):
-    """Not enough free or evictable pages; the scheduler preempts or queues."""
+from megaserve.errors import NoCapacity
 
 
 class PageAllocator:
@@ -62,7 +59,7 @@ class PageAllocator:
     def allocate(self, n: int) -> list[int]:
         """n fresh pages with ref 1; evicts least-recently-used cached pages if needed."""
         if n > self.num_available:
-            raise OutOfPages(f"need {n} pages, {self.num_available} available")
+            raise NoCapacity(f"need {n} pages, {self.num_available} available")
         out = []
         for _ in range(n):
             if self.free:

@@ -1,0 +1,55 @@
+"""Everything a prefill worker process is configured by, built once from the CLI."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from megaserve.security import TLSConfig
+from megaserve.worker_args import add_common_arguments, advertised_address, served_model_name
+from prefill_service.engine import PrefillConfig
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """One prefill worker process."""
+
+    checkpoint: str = "smollm2"
+    host: str = "127.0.0.1"
+    port: int = 0
+    worker_id: str = field(default_factory=lambda: f"prefill-{uuid.uuid4().hex[:8]}")
+    redis_url: str | None = None
+    metrics_port: int | None = None
+    heartbeat_s: float = 0.5
+    shutdown_grace_s: float = 5.0  # in-flight prefills get this long after SIGTERM
+    engine: PrefillConfig = PrefillConfig()
+    model_name: str = ""  # advertised model name ("" = the checkpoint source)
+    advertise_host: str = ""  # host peers dial ("" = host)
+    tls: TLSConfig | None = None  # serve TLS; KV pushes to decode workers present this cert
+
+
+def add_arguments(p) -> None:
+    add_common_arguments(p, max_context=4096)
+    p.add_argument("--prefill-chunk", type=int, default=256)
+
+
+def config_from_args(a) -> WorkerConfig:
+    """TLSConfigError for unreadable TLS files (checked before any model loads)."""
+    return WorkerConfig(
+        checkpoint=a.checkpoint,
+        host=a.host,
+        port=a.port,
+        worker_id=a.worker_id or f"prefill-{uuid.uuid4().hex[:8]}",
+        redis_url=a.redis_url,
+        metrics_port=a.metrics_port,
+        heartbeat_s=a.heartbeat_s,
+        model_name=served_model_name(a),
+        advertise_host=advertised_address(a, 0).rsplit(":", 1)[0],
+        tls=TLSConfig.from_args(a),
+        engine=PrefillConfig(
+            page_size=a.page_size,
+            kv_budget_bytes=a.kv_budget_mb * 2**20,
+            max_context=a.max_context,
+            chunk=a.prefill_chunk,
+        ),
+    )

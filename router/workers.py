@@ -1,0 +1,160 @@
+"""Calling workers: channels and stubs, what a worker's error means for placement, and the
+one disaggregated hand-off (Reserve on the decode worker, Prefill into it, Release on failure)
+that the router, the benchmarks and the tests all use."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from megaserve.errors import NoCapacity
+from megaserve.rpc import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from megaserve.status import Reason, reason_of
+from router.frontend import RouterError
+
+# Codes that mean "this worker (or the path to it) failed", not "this request is bad".
+WORKER_FAILED_CODES = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.ABORTED,
+}
+
+
+class WorkerFailed(Exception):
+    """A worker failed this attempt (it died, or its path did): place the request elsewhere."""
+
+    def __init__(self, worker, why: str):
+        super().__init__(f"{worker.id} ({worker.address}): {why}")
+        self.worker = worker
+
+
+def classify(worker, e: grpc.aio.AioRpcError, what: str) -> Exception:
+    """A worker's error as WorkerFailed (try elsewhere), NoCapacity (full: try elsewhere,
+    no breaker) or RouterError (the request's own fault)."""
+    code = e.code()
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return RouterError(code, f"deadline exceeded during {what}")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED or reason_of(e) == Reason.NO_CAPACITY:
+        return NoCapacity(f"{worker.id}: {what}: {e.details()}", source=worker)
+    if code in WORKER_FAILED_CODES:
+        return WorkerFailed(worker, f"{what}: {code.name} {e.details()}")
+    return RouterError(code, e.details() or f"{what} failed with {code.name}")
+
+
+class WorkerClients:
+    """One channel per worker address, shared by every request."""
+
+    def __init__(self, channel_factory: Callable[[str], grpc.aio.Channel] | None = None):
+        self._factory = channel_factory or (
+            lambda addr: grpc.aio.insecure_channel(
+                addr, options=[("grpc.max_send_message_length", 64 << 20)]
+            )
+        )
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = self._factory(address)
+        return ch
+
+    def decode(self, address: str) -> decode_pb2_grpc.DecodeStub:
+        return decode_pb2_grpc.DecodeStub(self.channel(address))
+
+    def prefill(self, address: str) -> prefill_pb2_grpc.PrefillStub:
+        return prefill_pb2_grpc.PrefillStub(self.channel(address))
+
+    async def release(self, address: str, request_id: str) -> None:
+        """Frees a reservation or cancels a request; silent when it is already gone."""
+        try:
+            await self.decode(address).Release(
+                decode_pb2.ReleaseRequest(request_id=request_id), timeout=5.0
+            )
+        except grpc.aio.AioRpcError:
+            pass  # NOT_FOUND: already attached, finished or freed; UNAVAILABLE: worker gone
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+
+
+class HandoffFailed(Exception):
+    """A hand-off step failed; `at_decode` says whether the decode worker is to blame (its
+    Reserve, or the KV push into it) rather than the prefill worker."""
+
+    def __init__(self, stage: str, error: grpc.aio.AioRpcError):
+        super().__init__(f"{stage}: {error.code().name} {error.details()}")
+        self.stage, self.error = stage, error
+
+    @property
+    def at_decode(self) -> bool:
+        return self.stage in ("reserve", "kv push")
+
+
+@dataclass(frozen=True)
+class Handoff:
+    reserve: decode_pb2.ReserveResponse
+    prefill: prefill_pb2.PrefillResponse
+    reserve_s: float  # Reserve round trip
+    prefill_s: float  # Prefill round trip (compute and KV push)
+
+
+async def handoff(
+    clients: WorkerClients,
+    decode_address: str,
+    prefill_address: str,
+    request_id: str,
+    prompt: list[int],
+    sampling: decode_pb2.SamplingParams | None = None,
+    *,
+    lease_ms: int = 60_000,
+    transport: int = prefill_pb2.TRANSPORT_GRPC,
+    resumed: int = 0,
+    timeout: Callable[[], float | None] = lambda: None,
+) -> Handoff:
+    """Reserves the prompt's pages on the decode worker and has the prefill worker compute
+    the KV into that reservation; the caller then calls Decode.Generate with the same id.
+
+    On any failure after the Reserve, the reservation is released before this raises.
+    Raises HandoffFailed for a worker's error; `timeout()` is asked before each call (it
+    may raise, e.g. when the request's deadline has passed).
+    """
+    t0 = time.perf_counter()
+    try:
+        res = await clients.decode(decode_address).Reserve(
+            decode_pb2.ReserveRequest(
+                request_id=request_id, prompt_token_ids=prompt, lease_ms=lease_ms
+            ),
+            timeout=timeout(),
+        )
+    except grpc.aio.AioRpcError as e:
+        raise HandoffFailed("reserve", e) from e
+    t1 = time.perf_counter()
+    try:
+        pr = await clients.prefill(prefill_address).Prefill(
+            prefill_pb2.PrefillRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt,
+                sampling=sampling,
+                decode_address=decode_address,
+                cached_pages=res.cached_pages,
+                page_size=res.page_size,
+                transport=transport,
+                resumed_tokens=resumed,
+            ),
+            timeout=timeout(),
+        )
+    except BaseException as e:
+        # Give the pages back now rather than at the end of the lease.
+        await clients.release(decode_address, request_id)
+        if isinstance(e, grpc.aio.AioRpcError):
+            # The push into the decode worker broke (it died or lost the reservation).
+            stage = "kv push" if reason_of(e) == Reason.KV_HANDOFF_FAILED else "prefill"
+            raise HandoffFailed(stage, e) from e
+        raise
+    return Handoff(res, pr, t1 - t0, time.perf_counter() - t1)
