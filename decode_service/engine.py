@@ -80,6 +80,9 @@ class DecodeEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.clock = time.monotonic  # deadlines are on this clock; tests inject a fake one
+        self._deadlines: dict[str, float] = {}  # request id -> deadline, while it may queue
+        self.expired_in_queue = 0  # requests dropped from the queue at their deadline
 
     # -- caller side -------------------------------------------------------------------
     def validate(self, prompt: list[int], max_tokens: int) -> None:
@@ -97,22 +100,27 @@ class DecodeEngine:
                 f"request needs {pages} pages, the whole pool has {self.alloc.num_pages - 1}"
             )
 
-    def submit(self, seq: Sequence, sink: Callable[[TokenEvent], None]) -> None:
+    def submit(
+        self, seq: Sequence, sink: Callable[[TokenEvent], None], deadline: float | None = None
+    ) -> None:
         """Queues seq; sink(event) is called from the engine thread for each step's tokens.
 
-        Raises RequestError (DuplicateRequest for a live id) or NoCapacity (queue full)."""
+        A request still queued at `deadline` (on `self.clock`) is dropped: its sink gets an
+        ABORT event. Raises RequestError (DuplicateRequest for a live id) or NoCapacity (queue
+        full)."""
         self.validate(seq.prompt, seq.max_tokens)
+        attaching = seq.request_id in self.reservations  # its pages are held: not refused now
         with self._lock:
             if seq.request_id in self._live:
                 raise DuplicateRequest(f"request_id {seq.request_id!r} is already running")
-            if len(self.sched.waiting) + self._inbox.qsize() >= self.cfg.scheduler.max_waiting:
-                raise NoCapacity(
-                    f"queue full ({self.cfg.scheduler.max_waiting} waiting); retry later"
-                )
+            if not attaching:
+                self._check_queue(0)
             self._live[seq.request_id] = seq
             self._sinks[seq.request_id] = sink
+            if deadline is not None:
+                self._deadlines[seq.request_id] = deadline
             self.requests += 1
-        if seq.request_id in self.reservations:
+        if attaching:
             try:
                 self._call(self.reservations.attach, seq)
             except RequestError:
@@ -121,6 +129,12 @@ class DecodeEngine:
             return
         self._inbox.put(seq)
         self._wake.set()
+
+    def _check_queue(self, reserved: int) -> None:
+        """NoCapacity when `max_waiting` requests (plus `reserved` reservations) queue."""
+        limit = self.cfg.scheduler.max_waiting
+        if len(self.sched.waiting) + self._inbox.qsize() + reserved >= limit:
+            raise NoCapacity(f"queue full ({limit} waiting); retry later")
 
     def cancel(self, request_id: str) -> bool:
         """Cancels a live request or drops a reservation; False if the id is unknown."""
@@ -134,10 +148,14 @@ class DecodeEngine:
         return known
 
     def reserve(self, request_id: str, prompt: list[int], lease_s: float) -> Reservation:
-        """Holds pages for prompt (prefix hits included) until KV arrives or the lease ends."""
+        """Holds pages for prompt (prefix hits included) until KV arrives or the lease ends.
+
+        A reservation is a request that will queue here: a full queue refuses it now
+        (NoCapacity), before a prefill worker computes KV that could not be used."""
         self.validate(prompt, 1)
         if request_id in self._live:
             raise DuplicateRequest(f"request_id {request_id!r} is already reserved or running")
+        self._check_queue(len(self.reservations))
         return self._call(self.reservations.reserve, request_id, prompt, lease_s)
 
     def reservation(self, request_id: str) -> Reservation | None:
@@ -189,6 +207,7 @@ class DecodeEngine:
         with self._lock:
             self._live.pop(request_id, None)
             self._sinks.pop(request_id, None)
+            self._deadlines.pop(request_id, None)
 
     # -- engine thread -----------------------------------------------------------------
     def _run_commands(self) -> None:
@@ -237,6 +256,7 @@ class DecodeEngine:
         self._run_commands()
         self.reservations.expire()
         self._apply_cancels()
+        self._expire_queued()
         plan = self.sched.plan()
         worked = False
         if plan.prefill is not None:
@@ -253,6 +273,17 @@ class DecodeEngine:
         for rid in cancels:
             seq = self._live.get(rid)
             if seq is not None:
+                self._finish(seq, FinishReason.ABORT, [])
+
+    def _expire_queued(self) -> None:
+        """Drops queued requests (never admitted, or preempted) whose deadline has passed."""
+        if not self._deadlines or not self.sched.waiting:
+            return
+        now = self.clock()
+        for seq in list(self.sched.waiting):
+            deadline = self._deadlines.get(seq.request_id)
+            if deadline is not None and deadline <= now:
+                self.expired_in_queue += 1
                 self._finish(seq, FinishReason.ABORT, [])
 
     def _rows(self, seqs: list[Sequence]) -> SamplingArrays:

@@ -84,11 +84,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             await abort(
                 context, grpc.StatusCode.UNAVAILABLE, Reason.DRAINING, "worker is shutting down"
             )
+        left = context.time_remaining()
+        deadline = None if left is None else self.engine.clock() + left
         try:
             seq = sequence_from_request(request, self.engine.model.eos_token_ids)
-            self.engine.submit(seq, lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
+            self.engine.submit(
+                seq, lambda e: loop.call_soon_threadsafe(events.put_nowait, e), deadline
+            )
         except (RequestError, NoCapacity) as e:
-            await abort_for(context, e)
+            await abort_for(context, e)  # a full queue: RESOURCE_EXHAUSTED + retry-after-ms
         done = False
         last = None
         m = self.metrics
@@ -112,6 +116,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     m.finished(e.finish_reason)
                     log.info("finished", request_id=rid, reason=e.finish_reason)
                 if e.finish_reason is FinishReason.ABORT:
+                    if deadline is not None and self.engine.clock() >= deadline:
+                        await context.abort(
+                            grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"request {rid!r}: deadline passed while queued",
+                        )
                     await abort(
                         context,
                         grpc.StatusCode.CANCELLED,

@@ -10,6 +10,7 @@ from typing import Protocol
 import redis
 import structlog
 
+from megaserve.redis_conn import sync_client
 from megaserve.state_keys import WorkerInfo, block_hex, worker_blocks_key, worker_key, workers_set
 
 log = structlog.get_logger("megaserve.registration")
@@ -41,7 +42,10 @@ class Heartbeat:
         ttl: float = 5.0,
         blocks: BlockSource | None = None,
     ):
-        self.client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        # redis:// or redis+sentinel:// (megaserve/redis_conn.py): through Sentinel every new
+        # connection asks for the current primary, so after a failed beat the next one goes
+        # to the promoted replica.
+        self.client = sync_client(url, timeout=1.0)
         self.info, self.interval, self.ttl = info, interval, ttl
         self.blocks = blocks
         self._resync_at = 0.0  # monotonic time of the next full block-set rewrite

@@ -3,6 +3,9 @@
 The reason travels as a `google.rpc.ErrorInfo` (domain "megaserve") in the status details
 (`grpc-status-details-bin` trailing metadata, the standard rich-status encoding), so callers
 branch on `reason_of(error)`, never on message text. Message text is for people.
+
+A refusal for capacity (RESOURCE_EXHAUSTED) also carries a hint: the trailing metadata entry
+`retry-after-ms` (integer milliseconds) says when a retry may find room (`retry_after_ms_of`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from grpc_status import rpc_status
 from megaserve.errors import DuplicateRequest, NoCapacity, RequestError
 
 DOMAIN = "megaserve"
+RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata: integer milliseconds
+# What a worker suggests when its queue is full: about the time a slot frees up.
+DEFAULT_RETRY_AFTER_MS = 1000
 
 
 class Reason(enum.StrEnum):
@@ -43,10 +49,37 @@ def rich_status(code: grpc.StatusCode, reason: Reason, message: str, **metadata:
     return rpc_status.to_status(status)
 
 
-async def abort(context, code: grpc.StatusCode, reason: Reason, message: str, **metadata: str):
-    """Ends an aio RPC with code, message and a machine-readable reason."""
+async def abort(
+    context,
+    code: grpc.StatusCode,
+    reason: Reason,
+    message: str,
+    *,
+    retry_after_ms: int | None = None,
+    **metadata: str,
+):
+    """Ends an aio RPC with code, message and a machine-readable reason; `retry_after_ms`
+    adds the `retry-after-ms` trailing metadata entry (a refusal's retry hint)."""
     s = rich_status(code, reason, message, **metadata)
-    await context.abort(s.code, s.details, trailing_metadata=s.trailing_metadata)
+    trailing = tuple(s.trailing_metadata)
+    if retry_after_ms is not None:
+        trailing += ((RETRY_AFTER_KEY, str(max(int(retry_after_ms), 0))),)
+    await context.abort(s.code, s.details, trailing_metadata=trailing)
+
+
+def retry_after_ms_of(error: grpc.RpcError) -> int | None:
+    """The `retry-after-ms` hint a tier attached to `error`, or None."""
+    try:
+        metadata = error.trailing_metadata() or ()
+    except Exception:  # a call that never got trailers
+        return None
+    for key, value in metadata:
+        if key == RETRY_AFTER_KEY:
+            try:
+                return int(value)
+            except (TypeError, ValueError):
+                return None
+    return None
 
 
 def reason_of(error: grpc.RpcError) -> Reason | None:
@@ -81,7 +114,9 @@ def status_for(error: Exception) -> tuple[grpc.StatusCode, Reason]:
     raise TypeError(f"no status for {type(error).__name__}: {error}")
 
 
-async def abort_for(context, error: Exception):
-    """Ends an aio RPC for a DuplicateRequest / NoCapacity / RequestError."""
+async def abort_for(context, error: Exception, retry_after_ms: int = DEFAULT_RETRY_AFTER_MS):
+    """Ends an aio RPC for a DuplicateRequest / NoCapacity / RequestError; a NoCapacity
+    refusal carries the `retry-after-ms` hint."""
     code, reason = status_for(error)
-    await abort(context, code, reason, str(error))
+    hint = retry_after_ms if isinstance(error, NoCapacity) else None
+    await abort(context, code, reason, str(error), retry_after_ms=hint)

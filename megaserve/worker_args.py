@@ -8,7 +8,14 @@ def add_common_arguments(p, max_context: int) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="gRPC port (0 = any free port)")
     p.add_argument("--worker-id")
-    p.add_argument("--redis-url", help="register and heartbeat here (redis://host:port/db)")
+    from megaserve.redis_conn import SENTINEL_FORM, url_argument
+
+    p.add_argument(
+        "--redis-url",
+        type=url_argument,
+        help=f"register and heartbeat here: redis://host:port/db, or through Sentinel "
+        f"{SENTINEL_FORM} (follows failovers)",
+    )
     p.add_argument("--metrics-port", type=int, help="Prometheus /metrics on this port")
     p.add_argument("--kv-budget-mb", type=int, default=256)
     p.add_argument(

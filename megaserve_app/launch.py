@@ -78,12 +78,29 @@ class RedisProcess:
                 time.sleep(0.05)
         raise RuntimeError(f"redis-server ({self.binary}) did not start on port {self.port}")
 
+    # What megaserve_app/supervise.py watches (the same as Proc's).
+    lines: list[str] = []  # its output goes to /dev/null
+    ready = True  # start() returns only once it accepts connections
+    label = "redis"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll() if self.proc else None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
     def kill(self) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
 
-    stop = kill
+    stop = kill9 = kill
 
 
 def die_with_parent() -> None:
@@ -161,6 +178,18 @@ class Proc:
     def alive(self) -> bool:
         return self.p.poll() is None
 
+    @property
+    def ready(self) -> bool:
+        return bool(self.ready_line)
+
+    @property
+    def returncode(self) -> int | None:
+        return self.p.poll()
+
+    @property
+    def pid(self) -> int:
+        return self.p.pid
+
     def kill9(self) -> None:
         if self.p.poll() is None:
             self.p.kill()
@@ -235,11 +264,10 @@ class Cluster:
         return p
 
     def wait_registered(self, ids: list[str], timeout: float = 60.0) -> None:
-        import redis
-
+        from megaserve.redis_conn import sync_client
         from megaserve.state_keys import worker_key, workers_set
 
-        r = redis.Redis.from_url(self.redis_url)
+        r = sync_client(self.redis_url, timeout=1.0)
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             members = {

@@ -1,5 +1,6 @@
 """`megaserve serve`: the whole disaggregated stack on one machine — Redis, prefill and decode
-workers, the router — as separate processes; streams a first answer; stops cleanly."""
+workers, the router — as separate processes; streams a first answer; restarts a child that
+dies (megaserve_app/supervise.py); stops on SIGTERM/Ctrl-C or when it cannot go on."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import threading
 import time
 
 from megaserve_app.launch import Cluster, RedisProcess
+from megaserve_app.supervise import GiveUp, Supervisor
 
 
 def add_arguments(p) -> None:
@@ -52,10 +54,85 @@ def demo(address: str, prompt: str) -> None:
     print("\n", flush=True)
 
 
+def _health(address: str, timeout: float = 1.0) -> str:
+    """The router's grpc.health.v1 status for "" (its overall health), or why none came."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        try:
+            r = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout
+            )
+        except grpc.RpcError as e:
+            return e.code().name
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+
+
+def _wait_serving(address: str, stop: threading.Event, sup: Supervisor) -> bool:
+    """Polls the router's health until SERVING (supervising meanwhile); False if stopped."""
+    t0, said = time.monotonic(), False
+    while (status := _health(address)) != "SERVING":
+        if not said and time.monotonic() - t0 > 60:
+            print(f"waiting for the router's health to say SERVING (now {status})", flush=True)
+            said = True
+        if stop.wait(0.2):
+            return False
+        sup.tick()
+    return True
+
+
+def _registered(redis_url: str, workers: set[str]):
+    """registered(name, address): a worker is back once its Redis record has its address."""
+    import redis
+
+    from megaserve.redis_conn import sync_client
+    from megaserve.state_keys import worker_key
+
+    client = sync_client(redis_url, timeout=1.0)
+
+    def registered(name: str, address: str) -> bool:
+        if name not in workers:
+            return True
+        try:
+            got = client.hget(worker_key(name), "address")
+        except (redis.RedisError, OSError):
+            return False
+        return got is not None and got.decode() == address
+
+    return registered
+
+
+def _start(a, cluster: Cluster) -> dict:
+    """Starts the workers and the router; returns name -> a function that starts it again
+    with the same flags (the router on the port it bound)."""
+    spawn = {}
+    for kind, n in (("prefill", a.prefill_workers), ("decode", a.decode_workers)):
+        for i in range(n):
+            cluster.worker(kind, f"{kind}-{i}")
+            spawn[f"{kind}-{i}"] = lambda k=kind, w=f"{kind}-{i}": cluster.worker(k, w)
+    extra = ["--host", a.host] + (["--config", a.config] if a.config else [])
+    cluster.router("router", *extra, port=a.port)
+
+    bound: dict[str, int] = {}
+
+    def router_again():  # first called while procs["router"] is the first, ready one
+        port = bound.setdefault("port", int(cluster.procs["router"].address.rsplit(":", 1)[1]))
+        return cluster.router("router", *extra, port=port)
+
+    spawn["router"] = router_again
+    return spawn
+
+
 def serve(a) -> int:
-    stop = threading.Event()
+    stop, why = threading.Event(), ["Ctrl-C"]
+
+    def on_signal(sig, _frame) -> None:
+        why[0] = "Ctrl-C" if sig == signal.SIGINT else signal.Signals(sig).name
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     redis = None
     if not a.redis_url:
         redis = RedisProcess().start()
@@ -67,32 +144,46 @@ def serve(a) -> int:
     t0 = time.monotonic()
     try:
         print(f"redis: {redis_url}" + (" (private)" if redis else ""), flush=True)
-        workers = [cluster.worker("prefill", f"prefill-{i}") for i in range(a.prefill_workers)]
-        workers += [cluster.worker("decode", f"decode-{i}") for i in range(a.decode_workers)]
-        extra = ["--host", a.host] + (["--config", a.config] if a.config else [])
-        router = cluster.router("router", *extra, port=a.port)
-        for p in workers + [router]:
+        spawn = _start(a, cluster)
+        for p in list(cluster.procs.values()):
             while not p._ready.wait(0.2):
                 if stop.is_set():
                     return 130
-            p.wait_ready(0)
+            p.wait_ready(0)  # a process that exits before READY at first start: RuntimeError
             print(f"{p.name}: {p.address}", flush=True)
-        cluster.wait_registered([w.name for w in workers])
-        time.sleep(0.5)  # the router's first state refreshes
+        workers = [n for n in cluster.procs if n != "router"]
+        cluster.wait_registered(workers)
+        procs: dict = dict(cluster.procs)
+        if redis:
+            procs["redis"], spawn["redis"] = redis, lambda: redis.start()
+        sup = Supervisor(
+            procs, lambda name: spawn[name](), _registered(redis_url, set(workers)),
+            log=lambda line: print(line, flush=True),
+        )  # fmt: skip
+        router = cluster.procs["router"]
+        if not _wait_serving(router.address, stop, sup):
+            return 130
         print(f"megaserve is serving {cluster.model_name} at {router.address} "
               f"(up in {time.monotonic() - t0:.1f} s; Ctrl-C stops)", flush=True)  # fmt: skip
         if not a.no_demo:
             demo(router.address, a.demo_prompt)
         if a.exit_after_demo:
+            why[0] = "--exit-after-demo"
             return 0
-        while not stop.wait(0.5):
-            dead = [p.name for p in cluster.procs.values() if not p.alive]
-            if dead:
-                print(f"process exited: {dead}; stopping", file=sys.stderr)
-                return 1
+        while not stop.wait(0.2):
+            sup.tick()
         return 0
+    except (RuntimeError, TimeoutError) as e:  # did not start, or did not register
+        why[0] = "a process did not start"
+        print(f"megaserve: {e}", file=sys.stderr, flush=True)
+        return 1
+    except GiveUp as e:
+        why[0] = f"gave up on {e.name}"
+        tail = "".join(f"  [{e.name}] {line}" for line in e.tail)
+        print(f"megaserve: giving up: {e}; its last lines:\n{tail}", file=sys.stderr, flush=True)
+        return 1
     finally:
-        print("stopping...", flush=True)
+        print(f"stopping ({why[0]})...", flush=True)
         cluster.stop()
         if redis:
             redis.kill()

@@ -31,6 +31,12 @@ class WorkerConfig:
 def add_arguments(p) -> None:
     add_common_arguments(p, max_context=4096)
     p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument(
+        "--max-queued",
+        type=int,
+        default=PrefillConfig.max_queued,
+        help="prompts waiting for a batch row; beyond it RESOURCE_EXHAUSTED + retry-after-ms",
+    )
 
 
 def config_from_args(a) -> WorkerConfig:
@@ -51,5 +57,6 @@ def config_from_args(a) -> WorkerConfig:
             kv_budget_bytes=a.kv_budget_mb * 2**20,
             max_context=a.max_context,
             chunk=a.prefill_chunk,
+            max_queued=a.max_queued,
         ),
     )

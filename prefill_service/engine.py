@@ -3,12 +3,13 @@ own paged pool, which doubles as its prefix cache."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future, InvalidStateError
 from dataclasses import dataclass, field
 
 from kernels.kv_cache import KVPool
@@ -30,6 +31,16 @@ class PrefillConfig:
     max_context: int = 4096
     chunk: int = 256  # tokens per row per prefill program; pages are sent after each chunk
     max_batch: int = 8  # prompts sharing one prefill program
+    max_queued: int = 64  # prompts waiting for a batch row; beyond it NoCapacity
+
+    def __post_init__(self):
+        for name in ("max_batch", "max_queued", "chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+
+class DeadlineExpired(Exception):
+    """A prompt's deadline passed before it was computed (DEADLINE_EXCEEDED on the wire)."""
 
 
 @dataclass
@@ -46,6 +57,7 @@ class _Job:
     skip_pages: int
     on_pages: Callable
     resumed: int = 0  # trailing prompt tokens that were generated (penalties count them)
+    deadline: float | None = None  # on the engine's clock
     future: Future = field(default_factory=Future)
     pages: list[int] = field(default_factory=list)
     hit: int = 0
@@ -80,9 +92,12 @@ class PrefillEngine:
             backend="xla",  # prefill programs are XLA on every backend today
         )
         self._queue: queue.Queue[_Job] = queue.Queue()
+        self._submit_lock = threading.Lock()  # the queue bound's check and put, together
         self._active: list[_Job] = []
         self.batched_calls = 0
         self.rows_computed = 0
+        self.expired = 0  # prompts dropped at their deadline (queued or between chunks)
+        self.clock = time.monotonic  # deadlines are on this clock; tests inject a fake one
         self._thread = threading.Thread(target=self._loop, name="prefill-engine", daemon=True)
         self._thread.start()
 
@@ -91,19 +106,23 @@ class PrefillEngine:
         if len(prompt) > self.cfg.max_context:
             raise RequestError(f"prompt ({len(prompt)} tokens) exceeds {self.cfg.max_context}")
 
-    def prefill(
+    def submit(
         self,
         prompt: list[int],
         sampling: SamplingParams,
         skip_pages: int,
         on_pages: Callable[[int, object, object], None],
         resumed: int = 0,
-    ) -> PrefillResult:
-        """Computes the prompt (batched with others in flight); after each chunk calls
-        on_pages(first_index, K, V) for the pages it completed, skipping `skip_pages`.
+        deadline: float | None = None,
+    ) -> Future:
+        """Queues the prompt (batched with others in flight); after each chunk the engine
+        calls on_pages(first_index, K, V) for the pages it completed, skipping `skip_pages`.
 
         K/V are device arrays [L, n, page_size, Hkv, D]; indices count this prompt's pages.
-        Blocks until done; safe from any thread.
+        Returns a Future of the PrefillResult (DeadlineExpired once `deadline`, on
+        `self.clock`, passes before the prompt is done; cancelling it drops the prompt).
+        Raises RequestError, or NoCapacity when `max_queued` prompts already wait. Safe from
+        any thread; never blocks.
         """
         self.validate(prompt)
         n_pages = pages_for_tokens(len(prompt), self.cfg.page_size)
@@ -111,9 +130,20 @@ class PrefillEngine:
             raise RequestError(f"cached_pages={skip_pages} outside [0, {n_pages}]")
         if not 0 <= resumed < len(prompt):
             raise RequestError(f"resumed_tokens={resumed} must be in [0, {len(prompt)})")
-        job = _Job(list(prompt), sampling, skip_pages, on_pages, resumed)
-        self._queue.put(job)
-        return job.future.result()
+        job = _Job(list(prompt), sampling, skip_pages, on_pages, resumed, deadline)
+        with self._submit_lock:
+            self.check_room()
+            self._queue.put(job)
+        return job.future
+
+    def check_room(self) -> None:
+        """NoCapacity when `max_queued` prompts already wait for a batch row."""
+        if self._queue.qsize() >= self.cfg.max_queued:
+            raise NoCapacity(f"prefill queue full ({self.cfg.max_queued} queued); retry")
+
+    def prefill(self, prompt, sampling, skip_pages, on_pages, resumed=0) -> PrefillResult:
+        """submit(), then blocks until the result."""
+        return self.submit(prompt, sampling, skip_pages, on_pages, resumed).result()
 
     # -- engine thread -----------------------------------------------------------------
     def _loop(self) -> None:
@@ -133,11 +163,24 @@ class PrefillEngine:
                         self._fail(job, e)
                     self._active = []
 
+    def _gone(self, job: _Job) -> bool:
+        """The caller left (cancelled) or the deadline passed: fails job, True if so."""
+        if job.future.cancelled():
+            self._fail(job, CancelledError())  # frees its pages; the future stays cancelled
+            return True
+        if job.deadline is not None and self.clock() >= job.deadline:
+            self.expired += 1
+            self._fail(job, DeadlineExpired("deadline passed before the prefill was done"))
+            return True
+        return False
+
     def _admit(self, job: _Job) -> None:
+        if self._gone(job):
+            return
         try:
             job.pages, hit = claim_pages(self.alloc, job.prompt)
         except NoCapacity as e:
-            job.future.set_exception(NoCapacity(f"prefill pool: {e}; retry"))
+            self._fail(job, NoCapacity(f"prefill pool: {e}; retry"))
             return
         job.hit, job.done, job.sent = hit, hit * self.cfg.page_size, job.skip_pages
         job.started = time.perf_counter()
@@ -158,7 +201,10 @@ class PrefillEngine:
 
     def _step(self) -> None:
         ps, chunk = self.cfg.page_size, self.cfg.chunk
+        self._active = [j for j in self._active if not self._gone(j)]
         jobs = self._active
+        if not jobs:
+            return
         rows = []
         for job in jobs:
             start = min(job.done, len(job.prompt) - 1)  # always recompute at least the last
@@ -201,12 +247,14 @@ class PrefillEngine:
         for i in range(job.hit, len(full)):
             self.alloc.register(job.pages[i], full[i])
         self.alloc.release(job.pages)  # pages stay cached (LRU) for later prompts
-        job.future.set_result(
-            PrefillResult(first_token, job.hit, time.perf_counter() - job.started)
-        )
+        job.pages = []
+        with contextlib.suppress(InvalidStateError):  # the caller cancelled meanwhile
+            job.future.set_result(
+                PrefillResult(first_token, job.hit, time.perf_counter() - job.started)
+            )
 
     def _fail(self, job: _Job, e: Exception) -> None:
         self.alloc.release(job.pages)
         job.pages = []
-        if not job.future.done():
+        with contextlib.suppress(InvalidStateError):  # cancelled, or settled already
             job.future.set_exception(e)

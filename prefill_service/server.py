@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import grpc
@@ -17,7 +18,7 @@ from megaserve.rpc import kv_transfer_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from megaserve.sampling_params import SamplingParams
 from megaserve.security import TLSConfig, add_port, aio_channel
 from megaserve.status import Reason, abort, abort_for, reason_of
-from prefill_service.engine import PrefillEngine
+from prefill_service.engine import DeadlineExpired, PrefillEngine
 from prefill_service.metrics import PrefillMetrics
 
 SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
@@ -33,6 +34,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.bytes_sent = 0
         self.transfer_failures = 0
+        self.inflight = 0  # Prefill calls being computed, queued or still pushing their KV
 
     def _stub(self, address: str):
         if address not in self._channels:
@@ -41,28 +43,44 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             )
         return kv_transfer_pb2_grpc.KVTransferStub(self._channels[address])
 
+    def _validated(self, request) -> tuple[SamplingParams, list[int]]:
+        """(sampling, prompt) of a Prefill call; RequestError naming the bad field."""
+        if not request.request_id:
+            raise RequestError("request_id is empty")
+        if not request.decode_address:
+            raise RequestError("decode_address is empty")
+        if request.page_size != self.engine.cfg.page_size:
+            raise RequestError(
+                f"page_size={request.page_size}, this worker uses {self.engine.cfg.page_size}"
+            )
+        prompt = list(request.prompt_token_ids)
+        self.engine.validate(prompt)
+        return SamplingParams.from_proto(request.sampling), prompt
+
     async def Prefill(self, request, context):  # noqa: N802
+        """At most max_batch + max_queued calls at once, pushes included (each holds its
+        prompt's KV on the host until sent): beyond it RESOURCE_EXHAUSTED + retry-after-ms."""
+        limit = self.engine.cfg.max_batch + self.engine.cfg.max_queued
+        if self.inflight >= limit:
+            await abort_for(context, NoCapacity(f"prefill worker full ({limit} in flight); retry"))
+        self.inflight += 1
+        try:
+            return await self._prefill(request, context)
+        finally:
+            self.inflight -= 1
+
+    async def _prefill(self, request, context):
         t_start = time.perf_counter()
         loop = asyncio.get_running_loop()
         try:
-            if not request.request_id:
-                raise RequestError("request_id is empty")
-            if not request.decode_address:
-                raise RequestError("decode_address is empty")
-            if request.page_size != self.engine.cfg.page_size:
-                raise RequestError(
-                    f"page_size={request.page_size}, this worker uses {self.engine.cfg.page_size}"
-                )
-            sampling = SamplingParams.from_proto(request.sampling)
-            prompt = list(request.prompt_token_ids)
-            self.engine.validate(prompt)
+            sampling, prompt = self._validated(request)
         except RequestError as e:
             await abort_for(context, e)
         n_pages = pages_for_tokens(len(prompt), self.engine.cfg.page_size)
         cached = request.cached_pages
         outbox: asyncio.Queue = asyncio.Queue()
         geo = wire.PageGeometry.of_pool(self.engine.pool)
-        outbox.put_nowait(wire.header(request.request_id, geo, cached, n_pages - cached))
+        header = wire.header(request.request_id, geo, cached, n_pages - cached)
         stamps: dict[str, float] = {}
         sent = {"pages": 0, "bytes": 0}
 
@@ -80,6 +98,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 loop.call_soon_threadsafe(outbox.put_nowait, msg)
             sent["pages"] += k.shape[1]
 
+        try:  # a full queue is refused before a push opens (submit checks again, bound)
+            self.engine.check_room()
+        except NoCapacity as e:
+            await abort_for(context, e)  # RESOURCE_EXHAUSTED + retry-after-ms
         call = self._stub(request.decode_address).Push()
 
         async def writer():
@@ -92,15 +114,30 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
                 pass  # the status comes from awaiting the call
 
+        # The header goes out before the compute starts: a decode worker that refuses it (no
+        # reservation) can answer before chunks follow, so its status is the one we report.
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            await call.write(header)  # on failure the status comes from awaiting the call
         writing = asyncio.ensure_future(writer())
+        left = context.time_remaining()
+        deadline = None if left is None else self.engine.clock() + left
         try:
-            result = await asyncio.to_thread(
-                self.engine.prefill, prompt, sampling, cached, on_pages, request.resumed_tokens
+            # Never blocks: a full queue is NoCapacity at once. A cancelled call (the client
+            # left, its deadline passed) cancels the future and the engine drops the prompt.
+            job = self.engine.submit(
+                prompt, sampling, cached, on_pages, request.resumed_tokens, deadline
             )
-        except (RequestError, NoCapacity) as e:
+            result = await asyncio.wrap_future(job)
+        except (RequestError, NoCapacity, DeadlineExpired) as e:
             call.cancel()  # the decode side frees the reservation when the stream breaks
             writing.cancel()
-            await abort_for(context, e)
+            if isinstance(e, DeadlineExpired):
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+            await abort_for(context, e)  # queue or pool full: RESOURCE_EXHAUSTED + retry hint
+        except BaseException:  # cancelled: stop the push too
+            call.cancel()
+            writing.cancel()
+            raise
         outbox.put_nowait(wire.trailer(result.first_token))
         outbox.put_nowait(_DONE)
         try:
@@ -117,6 +154,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 decode_reason=str(reason_of(e) or ""),
             )
         await writing
+        return self._response(request.request_id, result, sent, stamps, t_start)
+
+    def _response(self, rid: str, result, sent: dict, stamps: dict, t_start: float):
+        """Metrics, the log line and the answer of a prefill whose KV was delivered."""
         t_end = time.perf_counter()
         self.bytes_sent += sent["bytes"]
         first = stamps.get("first_chunk", t_end)
@@ -125,7 +166,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.metrics.transfer.observe(t_end - first)
         log.info(
             "prefilled",
-            request_id=request.request_id,
+            request_id=rid,
             pages_sent=sent["pages"],
             bytes=sent["bytes"],
             prefix_hit_pages=result.prefix_hit_pages,

@@ -37,6 +37,13 @@ class RouterConfig:
     circuit_breaker_reset_s: float = 5.0
     state_refresh_ms: float = 200.0
     reservation_lease_ms: int = 60000
+    # A Generate whose model has no healthy decode worker waits this long for one (never past
+    # its deadline) before UNAVAILABLE.
+    no_worker_wait_s: float = 30.0
+    # Public requests one router holds at once; more are refused at once (RESOURCE_EXHAUSTED
+    # with a retry-after-ms hint of retry_after_ms).
+    max_inflight_requests: int = 256
+    retry_after_ms: int = 1000
 
     def __post_init__(self):
         for name in ("prefill_policy", "decode_policy", "session_fallback_policy"):
@@ -52,7 +59,12 @@ class RouterConfig:
             )
         if self.balance_max_share < 1:
             raise ValueError(f"balance_max_share={self.balance_max_share} must be >= 1")
-        for name in ("retry_max_attempts", "circuit_breaker_failures", "balance_window"):
+        for name in (
+            "retry_max_attempts",
+            "circuit_breaker_failures",
+            "balance_window",
+            "max_inflight_requests",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         for f in dataclasses.fields(self):

@@ -20,6 +20,7 @@ from megaserve.errors import NoCapacity
 from megaserve.finish import FinishReason
 from megaserve.kv.pages import pages_for_tokens
 from megaserve.rpc import decode_pb2, prefill_pb2
+from megaserve.status import retry_after_ms_of
 from router.circuit import CircuitBreakers
 from router.config import RouterConfig
 from router.frontend import Job, RouterError
@@ -29,6 +30,27 @@ from router.state import ClusterState, Session, WorkerView
 from router.workers import HandoffFailed, WorkerClients, WorkerFailed, classify, handoff
 
 log = structlog.get_logger("megaserve.router")
+
+
+class Overloaded(RouterError):
+    """Every worker that could take the request was full: RESOURCE_EXHAUSTED, with the
+    `retry-after-ms` hint the client gets."""
+
+    def __init__(self, message: str, retry_after_ms: int):
+        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+        self.retry_after_ms = retry_after_ms
+
+
+def _retry_after_of(e: BaseException, default: int) -> int:
+    """The `retry-after-ms` hint of the worker error behind e (its cause chain), or default."""
+    while e is not None:
+        err = getattr(e, "error", e)  # HandoffFailed carries the call's error
+        if isinstance(err, grpc.RpcError):
+            hint = retry_after_ms_of(err)
+            if hint is not None:
+                return hint
+        e = e.__cause__
+    return default
 
 
 @dataclass
@@ -82,27 +104,45 @@ class Dispatcher:
         return w
 
     # -- the request -------------------------------------------------------------------
+    async def _wait_for_decoders(self, job: Job, failed, deadline: float | None):
+        """The decode candidates, waiting for the view to show one for up to
+        `no_worker_wait_s` (never past the deadline); UNAVAILABLE after that."""
+        decoders = self._candidates("decode", job, failed)
+        if decoders:
+            return decoders
+        log.info("no decode worker; waiting for one", request_id=job.request_id)
+        end = time.monotonic() + self.cfg.no_worker_wait_s
+        if deadline is not None:
+            end = min(end, deadline)
+        while (left := end - time.monotonic()) > 0:
+            # Each refresh may bring a worker; a breaker half-opens with time alone.
+            await self.state.wait_refresh(min(left, max(self.state.refresh_s, 0.05)))
+            decoders = self._candidates("decode", job, failed)
+            if decoders:
+                return decoders
+        raise RouterError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"no healthy decode worker for model {job.model.name!r} "
+            f"(waited {self.cfg.no_worker_wait_s:g} s)",
+        )
+
+    def _untried(self, worker: WorkerView, job: Job, failed) -> bool:
+        """Whether another worker of `worker`'s role has not failed this request yet."""
+        if worker.info.role == "prefill":
+            return True  # a full prefill tier is skipped: the decode worker prefills
+        return any(w.id not in failed for w in self._candidates("decode", job, failed))
+
     async def run(self, job: Job, deadline: float | None) -> AsyncIterator[Chunk]:
         """Streams the job's tokens; raises RouterError when it cannot be completed."""
         generated: list[int] = []
-        failed: set[str] = set()
+        failed: dict[str, bool] = {}  # worker id -> it was full (not failed) for this request
         attempts = migrations = tries = 0
         session = await self.state.get_session(job.session_id) if job.session_id else None
         first = True
         while True:
             n_before = len(generated)
             prompt = job.prompt + generated
-            decoders = self._candidates("decode", job, failed)
-            if not decoders:
-                attempts += 1
-                log.info("no decode worker available", request_id=job.request_id, attempt=attempts)
-                if attempts >= self.cfg.retry_max_attempts:
-                    raise RouterError(
-                        grpc.StatusCode.UNAVAILABLE,
-                        f"no healthy decode worker for model {job.model.name!r}",
-                    )
-                await self._backoff(attempts, deadline)
-                continue
+            decoders = await self._wait_for_decoders(job, failed, deadline)
             d = self._choose("decode", decoders, RouteRequest(prompt, session, job.max_tokens))
             tries += 1
             try:
@@ -132,7 +172,7 @@ class Dispatcher:
                 worker = e.source if busy else e.worker
                 if not busy:
                     self.breakers.failure(worker.id)
-                failed.add(worker.id)
+                failed[worker.id] = busy
                 if len(generated) > n_before:
                     # A stream that had delivered tokens broke: move it on at once (the client
                     # is mid-stream). Failures placing the rest (a dead worker's Reserve, a
@@ -150,15 +190,15 @@ class Dispatcher:
                             f"migrations; last failure: {e}",
                         ) from e
                     continue
-                attempts += 1
                 self.stats["retries"] += 1
+                if busy and self._untried(worker, job, failed):
+                    continue  # full: another worker (or co-located prefill) at once
+                attempts += 1
                 if attempts >= self.cfg.retry_max_attempts:
-                    code = (
-                        grpc.StatusCode.RESOURCE_EXHAUSTED if busy else grpc.StatusCode.UNAVAILABLE
-                    )
-                    raise RouterError(
-                        code, f"request {job.request_id!r}: {attempts} attempts failed; last: {e}"
-                    ) from e
+                    why = f"request {job.request_id!r}: {attempts} attempts failed; last: {e}"
+                    if busy:  # every worker is full: the client retries after the hint
+                        raise Overloaded(why, _retry_after_of(e, self.cfg.retry_after_ms)) from e
+                    raise RouterError(grpc.StatusCode.UNAVAILABLE, why) from e
                 log.info("retrying", request_id=job.request_id, error=str(e), attempt=attempts)
                 await self._backoff(attempts, deadline)
 
@@ -187,7 +227,12 @@ class Dispatcher:
             for w in self._candidates("prefill", job, failed)
             if w.info.page_size == d.info.page_size
         ]
-        free = [w for w in pool if w.load < self.cfg.prefill_busy_threshold_running]
+        # A worker that said it is full (this request) counts as busy.
+        free = [
+            w
+            for w in pool
+            if w.load < self.cfg.prefill_busy_threshold_running and not failed.get(w.id)
+        ]
         return free  # all busy (or none): co-locate rather than queue behind them
 
     async def _attempt(

@@ -8,6 +8,7 @@ import structlog
 
 from megaserve.checkpoint import load_tokenizer
 from megaserve.grpc_server import serve_until_signal
+from megaserve.redis_conn import SENTINEL_FORM, redact, url_argument
 from megaserve.security import (
     TOKEN_ENV,
     BearerTokenInterceptor,
@@ -30,7 +31,13 @@ WORKER_CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20)]
 def add_arguments(p) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="public gRPC port (0 = any free)")
-    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument(
+        "--redis-url",
+        default="redis://127.0.0.1:6379/0",
+        type=url_argument,
+        help=f"shared state: redis://host:port/db, or through Sentinel {SENTINEL_FORM} "
+        "(follows failovers)",
+    )
     p.add_argument("--config", help="load-balancing YAML (default: router/loadbalancer.yaml)")
     p.add_argument(
         "--checkpoint",
@@ -94,7 +101,7 @@ async def serve(a) -> None:
         "serving",
         port=port,
         models=sorted(models),
-        redis=a.redis_url,
+        redis=redact(a.redis_url),
         tls=tls is not None,
         mtls_to_workers=bool(tls and tls.ca),
         token=bool(interceptors),

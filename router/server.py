@@ -12,16 +12,19 @@ import uuid
 import grpc
 import structlog
 from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from megaserve.checkpoint import TokenizerInfo
 from megaserve.finish import FinishReason
-from megaserve.grpc_server import start_serving
+from megaserve.status import Reason, abort
 from megaserve.v1 import generation_pb2 as pb
 from megaserve.v1 import generation_pb2_grpc as pb_grpc
 from router.config import RouterConfig
 from router.detokenize import IncrementalDetokenizer
-from router.dispatch import Dispatcher
+from router.dispatch import Dispatcher, Overloaded
 from router.frontend import RouterError, chat_messages, invalid, parse_generate, resolve_model
+from router.readiness import Readiness
 from router.state import ClusterState
 from router.stop_strings import StopStringMatcher
 
@@ -104,12 +107,36 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.router_id = router_id or f"router-{uuid.uuid4().hex[:8]}"
         self.dispatcher = Dispatcher(state, cfg, channel_factory)
         self.requests = 0
+        self.inflight = 0  # Generate calls admitted and not yet ended
+        self.readiness: Readiness | None = None  # set by create_server
+        self.refused = 0  # refused at once: max_inflight_requests were in flight
 
     def max_context(self, model: str) -> int | None:
         ctx = [w.info.max_context for w in self.state.pool("decode", model) if w.info.max_context]
         return min(ctx) if ctx else None
 
     async def Generate(self, request, context):  # noqa: N802 (gRPC method name)
+        """Bounded admission: past max_inflight_requests a call is refused at once
+        (RESOURCE_EXHAUSTED, NO_CAPACITY, `retry-after-ms`), never queued."""
+        if self.inflight >= self.cfg.max_inflight_requests:
+            self.refused += 1
+            await abort(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                Reason.NO_CAPACITY,
+                f"router at its limit of {self.cfg.max_inflight_requests} requests in flight; "
+                "retry later",
+                retry_after_ms=self.cfg.retry_after_ms,
+            )
+        self.inflight += 1
+        try:
+            async with contextlib.aclosing(self._generate(request, context)) as out:
+                async for response in out:
+                    yield response
+        finally:
+            self.inflight -= 1
+
+    async def _generate(self, request, context):
         if isinstance(request, BadMessage):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         arrived = time.monotonic()
@@ -164,6 +191,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                             ms=round(1000 * (time.monotonic() - arrived), 1),
                         )
                         return
+        except Overloaded as e:  # every worker was full
+            log.warning("refused", request_id=job.request_id, error=e.message)
+            await abort(
+                context, e.code, Reason.NO_CAPACITY, e.message, retry_after_ms=e.retry_after_ms
+            )
         except RouterError as e:
             log.warning("failed", request_id=job.request_id, code=e.code.name, error=e.message)
             await context.abort(e.code, e.message)
@@ -217,7 +249,9 @@ async def create_server(
 ):
     """Starts the router's server; returns (server, port, health servicer, servicer).
 
-    channel_factory(address) makes the channels to workers (mTLS between tiers)."""
+    Health starts NOT_SERVING and follows the view (`router/readiness.py`): SERVING once
+    every model has a decode worker. channel_factory(address) makes the channels to workers
+    (mTLS between tiers)."""
     server = grpc.aio.server(interceptors=list(interceptors))
     servicer = GenerationServicer(models, state, cfg, channel_factory=channel_factory)
     add_generation_servicer(servicer, server)
@@ -228,6 +262,13 @@ async def create_server(
     )
     if port == 0:
         raise OSError(f"cannot bind {address}")
-    await state.start()
-    health_servicer = await start_serving(server, (SERVICE,))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    servicer.readiness = Readiness(state, models, health_servicer, (SERVICE,))
+    await servicer.readiness.start()  # NOT_SERVING before the port answers
+    await server.start()
+    await state.start()  # the first view (if Redis answers) turns it SERVING
     return server, port, health_servicer, servicer

@@ -8,14 +8,16 @@ last view (and a local session table) and catches up when Redis returns.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import redis
-import redis.asyncio as aredis
 import structlog
 
 from megaserve.kv.block_hash import block_hashes
+from megaserve.redis_conn import async_client
 from megaserve.state_keys import (
     WorkerInfo,
     block_hex,
@@ -97,11 +99,9 @@ class ClusterState:
     """Background-refreshed worker views plus session and in-flight-id operations."""
 
     def __init__(self, redis_url: str | None, refresh_s: float = 0.2, session_ttl_s: float = 600):
-        self.redis = (
-            aredis.Redis.from_url(redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
-            if redis_url
-            else None
-        )
+        # A redis:// URL or a redis+sentinel:// one (the client follows failovers); a bad URL
+        # raises RedisURLError (a ValueError) naming it.
+        self.redis = async_client(redis_url, timeout=0.5) if redis_url else None
         self.refresh_s, self.session_ttl_s = refresh_s, session_ttl_s
         self.workers: dict[str, WorkerView] = {}
         self.redis_ok = False
@@ -110,6 +110,10 @@ class ClusterState:
         self._inflight: set[str] = set()
         self._task: asyncio.Task | None = None
         self._fresh = asyncio.Event()
+        # claim()'s fallback to this router's own ids is logged at most every _claim_warn_s.
+        self._claim_warn_s, self._claim_warn_at, self._claim_fallbacks = 10.0, 0.0, 0
+        self._pulse = asyncio.Event()  # replaced after every refresh attempt (wait_refresh)
+        self._listeners: list[Callable[[], Awaitable[None]]] = []
 
     # -- worker view -------------------------------------------------------------------
     async def start(self) -> None:
@@ -118,6 +122,22 @@ class ClusterState:
             await asyncio.wait_for(self._fresh.wait(), timeout=2.0)
         except TimeoutError:
             log.warning("no worker state yet (Redis unreachable?); serving on")
+
+    def add_listener(self, fn: Callable[[], Awaitable[None]]) -> None:
+        """Awaits fn() after every refresh, right as the new view becomes visible."""
+        self._listeners.append(fn)
+
+    async def wait_refresh(self, timeout: float) -> None:
+        """Returns after the next refresh attempt, or after timeout seconds."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._pulse.wait(), timeout=max(timeout, 0.0))
+
+    async def _notify(self) -> None:
+        for fn in self._listeners:
+            try:
+                await fn()
+            except Exception as e:  # a listener's bug must not stop the view from refreshing
+                log.exception("state listener failed", error=repr(e))
 
     async def stop(self) -> None:
         if self._task:
@@ -143,6 +163,8 @@ class ClusterState:
                 self.redis_ok = False
             except Exception as e:  # a bad record must not stop the view from refreshing
                 log.exception("state refresh failed", error=repr(e))
+            pulse, self._pulse = self._pulse, asyncio.Event()
+            pulse.set()
             await asyncio.sleep(self.refresh_s)
 
     async def refresh(self) -> None:
@@ -182,6 +204,7 @@ class ClusterState:
             seen[wid] = view
         self.workers = seen
         self.refreshes += 1
+        await self._notify()  # listeners (readiness) follow the view as it changes
         if stale:  # expired members: tidy the sets so later refreshes stay cheap
             pipe = r.pipeline(transaction=False)
             for wid in stale:
@@ -244,8 +267,16 @@ class ClusterState:
                 if not ok:
                     self._inflight.discard(request_id)
                     return False
-            except (redis.RedisError, OSError):
-                pass  # Redis down: only this router's own ids are checked
+            except (redis.RedisError, OSError) as e:  # only this router's own ids are checked
+                self._claim_fallbacks += 1
+                now = time.monotonic()
+                if now >= self._claim_warn_at:
+                    log.warning(
+                        "redis unreachable; duplicate request ids checked on this router only",
+                        error=str(e),
+                        requests=self._claim_fallbacks,  # since the last such warning
+                    )
+                    self._claim_warn_at, self._claim_fallbacks = now + self._claim_warn_s, 0
         return True
 
     async def release(self, request_id: str) -> None:

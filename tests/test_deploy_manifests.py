@@ -71,6 +71,9 @@ TARGETS = {
     "gke-tpu7x-tls": OVERLAYS / "gke-tpu7x-tls",
     # The TLS component over the base (decode as a Deployment); no directory of its own.
     "base+tls": {"resources": ["../base"], "components": ["tls"]},
+    # Redis primary + replica behind three Sentinels (a Component), over the base and gke-tpu7x.
+    "base+redis-sentinel": {"resources": ["../base"], "components": ["redis-sentinel"]},
+    "gke-tpu7x+redis-sentinel": {"resources": ["gke-tpu7x"], "components": ["redis-sentinel"]},
 }
 
 
@@ -240,8 +243,15 @@ def check_probes(objs: list[dict]) -> list[str]:
             wanted.append("startupProbe")
         for probe in wanted:
             p = c.get(probe)
+            # The router's health is NOT_SERVING until it has workers: liveness must not
+            # restart it for that, so it only checks that the port answers.
+            router_liveness = args[0] == "router" and probe == "livenessProbe"
             if p is None:
                 problems.append(f"{where}: no {probe}")
+            elif router_liveness and p.get("tcpSocket", {}).get("port") != port:
+                problems.append(f"{where}: {probe} must be tcpSocket on {port}: {p}")
+            elif router_liveness:
+                continue
             elif tls and p.get("tcpSocket", {}).get("port") != port:
                 problems.append(f"{where}: {probe} must be tcpSocket on {port} with TLS: {p}")
             elif not tls and p.get("grpc", {}).get("port") != port:
@@ -335,6 +345,13 @@ def check_references(objs: list[dict]) -> list[str]:
     """ConfigMaps, Secrets and ServiceAccounts that pods use exist (or are external)."""
     problems = []
     have = {(o["kind"], o["metadata"]["name"]) for o in objs}
+    claims = {  # a StatefulSet's volumeClaimTemplates are volumes of its pods too
+        f"{o['kind']}/{o['metadata']['name']}": {
+            t["metadata"]["name"] for t in o["spec"].get("volumeClaimTemplates", [])
+        }
+        for o in objs
+        if o["kind"] == "StatefulSet"
+    }
     for owner, tmpl, c in containers(objs):
         spec = tmpl["spec"]
         sa = spec.get("serviceAccountName")
@@ -342,7 +359,7 @@ def check_references(objs: list[dict]) -> list[str]:
             problems.append(f"{owner}: ServiceAccount {sa} does not exist")
         volumes = {v["name"]: v for v in spec.get("volumes", [])}
         for m in c.get("volumeMounts", []):
-            if m["name"] not in volumes:
+            if m["name"] not in volumes and m["name"] not in claims.get(owner, ()):
                 problems.append(f"{owner}/{c['name']}: mount of undefined volume {m['name']}")
         for v in volumes.values():
             if "configMap" in v and ("ConfigMap", v["configMap"]["name"]) not in have:
@@ -527,6 +544,40 @@ def test_overlay_shapes(rendered):
     assert len(servers) == 3 and all(flag_value(c["args"], "--tls-cert") for _, c in servers)
 
 
+def test_redis_persistence_and_sentinel(rendered):
+    """Redis keeps an append-only file on a claimed volume; the Sentinel variant runs two of
+    them and three Sentinels, and every server's --redis-url names those Sentinels."""
+    from megaserve.redis_conn import parse_sentinel_url
+
+    for target, objs in rendered.items():
+        redis = find(objs, "StatefulSet", "megaserve-redis")
+        args = first_container(redis)["args"]
+        assert flag_value(args, "--appendonly") == "yes", target
+        assert flag_value(args, "--dir") == "/data", target
+        assert [t["metadata"]["name"] for t in redis["spec"]["volumeClaimTemplates"]] == ["data"]
+        urls = {flag_value(args_of(o, c), "--redis-url") for o, _, c in containers(objs)}
+        urls.discard(None)
+        if "redis-sentinel" not in target:
+            assert urls == {"redis://megaserve-redis:6379/0"}, target
+            continue
+        assert redis["spec"]["replicas"] == 2
+        sentinels = find(objs, "StatefulSet", "megaserve-redis-sentinel")
+        assert sentinels["spec"]["replicas"] == 3
+        assert not [
+            o for o in objs if o["metadata"]["name"] == "megaserve-redis" and o["kind"] == "Service"
+        ]
+        (url,) = urls
+        u = parse_sentinel_url(url)
+        service = sentinels["spec"]["serviceName"]
+        assert u.service == "megaserve" and u.sentinels == tuple(
+            (f"megaserve-redis-sentinel-{i}.{service}", 26379) for i in range(3)
+        ), url
+        (scripts,) = [
+            o["data"] for o in objs if o["metadata"]["name"].startswith("megaserve-redis-scripts")
+        ]
+        assert f"sentinel monitor {u.service} " in scripts["sentinel.sh"]
+
+
 # --- the command lines against megaserve's argparse --------------------------------------
 
 
@@ -694,7 +745,7 @@ def _set_env(c: dict, name: str, value: str) -> None:
             "base",
             "Deployment",
             "megaserve-router",
-            lambda o: first_container(o)["livenessProbe"]["grpc"].update(port=9090),
+            lambda o: first_container(o)["livenessProbe"]["tcpSocket"].update(port=9090),
         ),
         (
             check_probes,

@@ -1,10 +1,10 @@
-"""Decode megakernel in the TPU interpreter: equals the reference step; VMEM and DMA accounting."""
+"""Decode megakernel in the TPU interpreter: equals the reference step (one step, 32 steps),
+unpacking inverts packing, DMA accounting, RoPE tables, the pallas runner backend. Planning
+without the kernel (VMEM budget, refusals, HBM floor) is in tests/test_megakernel_plan.py."""
 
 from __future__ import annotations
 
-import json
 from functools import partial
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -14,49 +14,16 @@ import pytest
 from kernels.megakernel import schedule
 from kernels.megakernel.kernel import DMA_KINDS
 from kernels.megakernel.pack import pack_megakernel, unpack_megakernel
-from kernels.megakernel.plan import VMEM_BYTES, make_plan, padded_bytes
+from kernels.megakernel.plan import make_plan
 from kernels.megakernel.step import megakernel_step, reference_step
 from kernels.moe import route
 from kernels.rope import rope_cos_sin
-from tests.conftest import random_moe_tensors, random_tensors, tiny_llama_config, tiny_moe_config
-
-REPO = Path(__file__).resolve().parents[1]
-PS = 16
-# Mini shapes that take every code path the real ones do: hidden 192 is not a lane multiple
-# (like SmolLM2's 576), head_dim 64 packs two heads per 128 lanes, GQA groups of 2, three
-# MLP tiles, a vocab that ends inside its last tile; the MoE mini mixes MoE and dense layers.
-MINI = dict(
-    hidden_size=192,
-    intermediate_size=384,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    vocab_size=300,
-)
-
-
-def _bf16_round(t: dict) -> dict:
-    return {k: np.asarray(jnp.asarray(v, jnp.bfloat16).astype(jnp.float32)) for k, v in t.items()}
-
-
-def _model(kind: str):
-    """(model, hf) with bf16-representable weights, so the f32 reference and the kernel's
-    bf16 weights are the same numbers and only activation rounding differs."""
-    from megaserve.checkpoint import Checkpoint
-    from megaserve.model import LoadedModel
-
-    if kind == "moe":
-        hf = tiny_moe_config(**MINI, moe_intermediate_size=96, num_experts=8)
-        t = random_moe_tensors(hf, scale=0.2)
-    else:
-        hf = tiny_llama_config(**MINI)
-        t = random_tensors(hf, scale=0.2)
-    return LoadedModel.from_checkpoint(Checkpoint(kind, hf, _bf16_round(t), None, ())), hf
+from tests.megakernel_minis import PS, mini_model
 
 
 @pytest.fixture(scope="module", params=["dense", "moe"])
 def mini(request):
-    return _model(request.param)
+    return mini_model(request.param)
 
 
 def _pool(cfg, n_pages, seed=0):
@@ -307,57 +274,11 @@ def test_bf16_kernel_tracks_reference_over_32_steps(mini):
     assert agree >= want_agree - 2, (agree, total)
 
 
-def test_vmem_budget_counts_the_kernels_scratch():
-    from kernels.registry import family_for
-
-    assert padded_bytes((16, 192), jnp.bfloat16) == 16 * 256 * 2
-    assert padded_bytes((3, 1, 64), jnp.float32) == 3 * 8 * 128 * 4
-    assert padded_bytes((1, 100), jnp.bfloat16) == 16 * 128 * 2
-    for name in ("smollm2-135m", "llama-3.1-8b", "qwen3-30b-a3b"):
-        hf = json.loads((REPO / "configs" / "models" / f"{name}.json").read_text())
-        cfg = family_for(hf["model_type"])[1].from_hf(hf)
-        for batch in (1, 8):
-            plan = make_plan(cfg, batch, 16, 256)
-            scratch = sum(padded_bytes(s.shape, s.dtype) for s in plan.scratch() if s.vmem_bytes)
-            io = sum(padded_bytes(sh, dt) for sh, dt in plan.io_vmem())
-            assert plan.vmem_bytes() == scratch + io
-            assert plan.vmem_bytes() < VMEM_BYTES
-            assert plan.depth_a >= 2 and plan.depth_b >= 2 and plan.depth_kv >= 2
-    with pytest.raises(ValueError, match="MiB VMEM"):
-        make_plan(cfg, 8, 16, 256, vmem_budget=2**20)
-
-
-def test_plan_refuses_what_the_kernel_does_not_implement():
-    from kernels.llama import LlamaConfig
-
-    hf = tiny_llama_config(**MINI)
-    with pytest.raises(ValueError, match="qkv_bias"):
-        make_plan(LlamaConfig.from_hf(hf | {"model_type": "qwen2"}), 1, PS, 4)
-    with pytest.raises(ValueError, match="page_size=12"):
-        make_plan(LlamaConfig.from_hf(hf), 1, 12, 4)
-    with pytest.raises(ValueError, match="head_dim=48"):
-        make_plan(LlamaConfig.from_hf(hf | {"head_dim": 48}), 1, PS, 4)
-
-
-def test_floor_counts_active_weights_and_context():
-    m, _ = _model("moe")
-    cfg = m.cfg
-    plan = make_plan(cfg, 2, PS, 4)
-    floor = schedule.floor_bytes(cfg, plan, [20, -1], [2, 2])
-    d, f = cfg.hidden_size, cfg.moe_intermediate_size
-    experts = 2 * 2 * 3 * d * f * 2  # two MoE layers, two distinct experts each, bf16
-    assert floor["kv"] == cfg.num_layers * 20 * 2 * plan.kv * 2
-    assert floor["embedding_rows"] == d * 2
-    assert floor["weights"] > experts
-    assert schedule.expected_distinct_experts(128, 8, 1) == 8
-    assert 8 < schedule.expected_distinct_experts(128, 8, 8) <= 64
-
-
 def test_rope_tables_match_reference():
     """The kernel's per-lane RoPE tables repeat the reference cos/sin once per kv head."""
     from kernels.megakernel.step import step_inputs
 
-    m, _ = _model("dense")
+    m, _ = mini_model("dense")
     plan = make_plan(m.cfg, 4, PS, 4)
     mp = pack_megakernel(plan, m.params)
     inp = step_inputs(plan, mp, TOKENS, POSITIONS, PAGE_TABLE)
@@ -377,7 +298,7 @@ def test_pallas_backend_of_the_decode_step():
     from megaserve.runner.pallas import MegakernelRunner
     from megaserve.sampling_params import SamplingArrays
 
-    m, _ = _model("dense")
+    m, _ = mini_model("dense")
     cfg = m.cfg
     assert default_backend() == "xla"  # pallas is the default only on TPU
     with pytest.raises(ValueError, match="'tpu'"):

@@ -1,5 +1,6 @@
 """Router -> prefill -> decode as real processes on a real Redis: tokens equal in-process
-generation for text, chat and token-id inputs; sessions; bad input; health and reflection."""
+generation for text, chat and token-id inputs; stop conditions; sessions (one router and two);
+health and reflection. Bad input is in tests/test_router_e2e_bad_input.py."""
 
 from __future__ import annotations
 
@@ -9,58 +10,32 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from megaserve.checkpoint import load_tokenizer
-from megaserve.model import LoadedModel
-from megaserve.offline import OfflineGenerator
 from megaserve.sampling_params import SamplingParams
 from megaserve.v1 import generation_pb2 as pb
 from megaserve.v1 import generation_pb2_grpc as pbg
 from megaserve_app.launch import worker_stats
-from tests.redis_server import RedisServer
-from tests.stack import (
-    Stack,
-    counters_moved,
-    decode_counters,
-    make_chat_checkpoint,
-    tokens_equal_report,
-    wait_router_view,
+from tests.router_stack import (
+    DECODE,
+    DISAGG_MIN,
+    IDS,
+    MODEL,
+    generate,
+    offline_reference,
+    router_stack,
+    status_of,
 )
-
-MODEL = "tiny-chat"
-DISAGG_MIN = 48  # the router's disagg_min_uncached_tokens (lb.yaml below)
-DECODE = ("d1", "d2")
+from tests.stack import counters_moved, decode_counters, tokens_equal_report, wait_router_view
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("router")
-    ck = make_chat_checkpoint(tmp / "ck")
-    rs = RedisServer(tmp).start()
-    (tmp / "lb.yaml").write_text(
-        "decode_policy: session_affinity\nsession_fallback_policy: kv_aware\n"
-        f"disagg_min_uncached_tokens: {DISAGG_MIN}\n"
-    )
-    st = Stack(rs.url, ck)
-    try:
-        router = st.up(DECODE, ("p1",), str(tmp / "lb.yaml"))  # up: the router sees all three
-        yield st, router.address, ck, rs
-    finally:
-        st.stop()
-        rs.kill()
+    with router_stack(tmp_path_factory.mktemp("router")) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def reference(stack):
-    _, _, ck, _ = stack
-    model = LoadedModel.load(str(ck), progress=False)
-    return model, OfflineGenerator(model, page_size=16, max_context=512)
-
-
-def _generate(addr, **kw):
-    with grpc.insecure_channel(addr) as ch:
-        out = list(
-            pbg.GenerationStub(ch).Generate(pb.GenerateRequest(model=MODEL, **kw), timeout=120)
-        )
-    return [t for o in out for t in o.token_ids], "".join(o.text for o in out), out
+    return offline_reference(stack[2])
 
 
 def _ref_ids(ck, kind, value):
@@ -105,7 +80,7 @@ def test_tokens_equal_in_process_generation(stack, reference, kind, sampled):
     sampling = pb.SamplingParams(temperature=sp.temperature, top_k=sp.top_k, seed=sp.seed)
     value = (SEEDED if sampled else CASES)[kind]
     before = decode_counters(st, DECODE)
-    ids, text, out = _generate(
+    ids, text, out = generate(
         addr,
         **_input(kind, value),
         sampling=sampling,
@@ -139,7 +114,7 @@ def test_eos_and_stop_strings(stack, reference):
     free = gen.generate(prompt, 40, SamplingParams(), ignore_eos=True).token_ids
     # A stop token id ends generation and is included.
     stop_tok = free[5]
-    ids, _, out = _generate(
+    ids, _, out = generate(
         addr,
         prompt_token_ids=pb.TokenIds(ids=prompt),
         stopping=pb.StoppingParams(max_tokens=40, stop_token_ids=[stop_tok], ignore_eos=True),
@@ -149,7 +124,7 @@ def test_eos_and_stop_strings(stack, reference):
     # A stop string taken from the free-running text cuts the text before it.
     full = model.tokenizer.decode(free, skip_special_tokens=True)
     stop = full[10:14]
-    _, text, out = _generate(
+    _, text, out = generate(
         addr,
         prompt_token_ids=pb.TokenIds(ids=prompt),
         stopping=pb.StoppingParams(max_tokens=40, stop=[stop], ignore_eos=True),
@@ -163,7 +138,7 @@ def test_session_second_turn_prefills_only_the_suffix(stack):
     tok = load_tokenizer(str(ck)).tokenizer
     turn1 = [{"role": "user", "content": LONG}]
     first = decode_counters(st, DECODE)
-    ids1, text1, out1 = _generate(
+    ids1, text1, out1 = generate(
         addr,
         chat=pb.Chat(messages=[pb.ChatMessage(**m) for m in turn1]),
         stopping=pb.StoppingParams(max_tokens=8, ignore_eos=True),
@@ -183,7 +158,7 @@ def test_session_second_turn_prefills_only_the_suffix(stack):
         {"role": "user", "content": "and then?"},
     ]
     prompt2 = tok.encode_chat(turn2)
-    _, _, out2 = _generate(
+    _, _, out2 = generate(
         addr,
         chat=pb.Chat(messages=[pb.ChatMessage(**m) for m in turn2]),
         stopping=pb.StoppingParams(max_tokens=4, ignore_eos=True),
@@ -225,166 +200,6 @@ def test_health_reflection_and_models(stack):
         assert "".join(tk.tokens) == "hello"
 
 
-def _code(addr, timeout=30.0, **kw) -> tuple[grpc.StatusCode, str]:
-    with grpc.insecure_channel(addr) as ch:
-        try:
-            list(pbg.GenerationStub(ch).Generate(pb.GenerateRequest(**kw), timeout=timeout))
-        except grpc.RpcError as e:
-            return e.code(), e.details() or ""
-    return grpc.StatusCode.OK, ""
-
-
-IDS = {"prompt_token_ids": pb.TokenIds(ids=[5, 6, 7])}
-BAD = {
-    "no input": ({"model": MODEL}, grpc.StatusCode.INVALID_ARGUMENT, "no input"),
-    "empty prompt": ({"model": MODEL, "prompt": ""}, grpc.StatusCode.INVALID_ARGUMENT, "empty"),
-    "unknown model": ({"model": "gpt-9", **IDS}, grpc.StatusCode.NOT_FOUND, "'gpt-9'"),
-    "empty chat": ({"model": MODEL, "chat": pb.Chat()}, grpc.StatusCode.INVALID_ARGUMENT, "empty"),
-    "invalid role": (
-        {"model": MODEL, "chat": pb.Chat(messages=[pb.ChatMessage(role="wizard", content="x")])},
-        grpc.StatusCode.INVALID_ARGUMENT,
-        "'wizard'",
-    ),
-    "ids out of range": (
-        {"model": MODEL, "prompt_token_ids": pb.TokenIds(ids=[1, 99999])},
-        grpc.StatusCode.INVALID_ARGUMENT,
-        "prompt_token_ids[1]=99999",
-    ),
-    "negative id": (
-        {"model": MODEL, "prompt_token_ids": pb.TokenIds(ids=[-3])},
-        grpc.StatusCode.INVALID_ARGUMENT,
-        "=-3",
-    ),
-    "prompt over context": (
-        {"model": MODEL, "prompt_token_ids": pb.TokenIds(ids=[5] * 600)},
-        grpc.StatusCode.INVALID_ARGUMENT,
-        "600 tokens",
-    ),
-    "prompt + max_tokens over context": (
-        {"model": MODEL, **IDS, "stopping": pb.StoppingParams(max_tokens=10_000)},
-        grpc.StatusCode.INVALID_ARGUMENT,
-        "10000",
-    ),
-    "negative max_tokens": (
-        {"model": MODEL, **IDS, "stopping": pb.StoppingParams(max_tokens=-1)},
-        grpc.StatusCode.INVALID_ARGUMENT,
-        "max_tokens=-1",
-    ),
-    "negative temperature": (
-        {"model": MODEL, **IDS, "sampling": pb.SamplingParams(temperature=-0.5)},
-        grpc.StatusCode.INVALID_ARGUMENT,
-        "temperature=-0.5",
-    ),
-    "nan temperature": (
-        {"model": MODEL, **IDS, "sampling": pb.SamplingParams(temperature=float("nan"))},
-        grpc.StatusCode.INVALID_ARGUMENT,
-        "temperature=nan",
-    ),
-    "top_p > 1": (
-        {"model": MODEL, **IDS, "sampling": pb.SamplingParams(top_p=1.5)},
-        grpc.StatusCode.INVALID_ARGUMENT,
-        "top_p=1.5",
-    ),
-    "negative top_k": (
-        {"model": MODEL, **IDS, "sampling": pb.SamplingParams(top_k=-2)},
-        grpc.StatusCode.INVALID_ARGUMENT,
-        "top_k=-2",
-    ),
-    "min_p > 1": (
-        {"model": MODEL, **IDS, "sampling": pb.SamplingParams(min_p=2.0)},
-        grpc.StatusCode.INVALID_ARGUMENT,
-        "min_p=2.0",
-    ),
-    "repetition penalty": (
-        {"model": MODEL, **IDS, "sampling": pb.SamplingParams(repetition_penalty=-1)},
-        grpc.StatusCode.INVALID_ARGUMENT,
-        "repetition_penalty=-1",
-    ),
-    "seed too large": (
-        {"model": MODEL, **IDS, "sampling": pb.SamplingParams(seed=2**40)},
-        grpc.StatusCode.INVALID_ARGUMENT,
-        "seed=",
-    ),
-    "empty stop string": (
-        {"model": MODEL, **IDS, "stopping": pb.StoppingParams(stop=[""])},
-        grpc.StatusCode.INVALID_ARGUMENT,
-        "empty",
-    ),
-    "stop token out of range": (
-        {"model": MODEL, **IDS, "stopping": pb.StoppingParams(stop_token_ids=[4000])},
-        grpc.StatusCode.INVALID_ARGUMENT,
-        "4000",
-    ),
-}
-
-
-def _pools_idle(st) -> None:
-    for w in ("d1", "d2"):
-        s = worker_stats(st.procs[w].address)
-        assert s.running == 0 and s.waiting == 0 and s.reserved == 0, (w, s)
-        assert s.free_pages + s.cached_pages == s.total_pages, (w, s)
-
-
-@pytest.mark.parametrize("case", list(BAD))
-def test_bad_input_gets_a_clear_status(stack, case):
-    st, addr, _, _ = stack
-    kw, code, needle = BAD[case]
-    got, details = _code(addr, **kw)
-    assert got == code, (got, details)
-    assert needle in details, details
-
-
-def test_bad_input_leaves_other_requests_alone(stack, reference):
-    """A flood of bad requests beside a good one: the good one's tokens are unchanged."""
-    import concurrent.futures as cf
-
-    st, addr, _, _ = stack
-    _, gen = reference
-    prompt = list(range(7, 50))
-    want = gen.generate(prompt, 20, SamplingParams(), ignore_eos=True).token_ids
-    with cf.ThreadPoolExecutor(8) as ex:
-        good = ex.submit(
-            _generate,
-            addr,
-            prompt_token_ids=pb.TokenIds(ids=prompt),
-            stopping=pb.StoppingParams(max_tokens=20, ignore_eos=True),
-        )
-        bad = [ex.submit(_code, addr, **kw) for kw, _, _ in list(BAD.values()) * 2]
-        assert [f.result()[0] for f in bad] == [c for _, c, _ in list(BAD.values()) * 2]
-        assert good.result()[0] == want
-    _pools_idle(st)
-
-
-def test_expired_deadline(stack):
-    _, addr, _, _ = stack
-    got, _ = _code(addr, timeout=0.0005, model=MODEL, **IDS)
-    assert got == grpc.StatusCode.DEADLINE_EXCEEDED
-
-
-def test_duplicate_in_flight_request_id(stack, reference):
-    st, addr, _, _ = stack
-    _, gen = reference
-    prompt = list(range(9, 40))
-    with grpc.insecure_channel(addr) as ch:
-        stub = pbg.GenerationStub(ch)
-        first = stub.Generate(
-            pb.GenerateRequest(
-                model=MODEL,
-                request_id="dup-1",
-                prompt_token_ids=pb.TokenIds(ids=prompt),
-                stopping=pb.StoppingParams(max_tokens=60, ignore_eos=True),
-            ),
-            timeout=120,
-        )
-        head = next(first)  # in flight now
-        got, details = _code(addr, model=MODEL, request_id="dup-1", **IDS)
-        assert got == grpc.StatusCode.ALREADY_EXISTS and "'dup-1'" in details
-        ids = list(head.token_ids) + [t for r in first for t in r.token_ids]
-    assert ids == gen.generate(prompt, 60, SamplingParams(), ignore_eos=True).token_ids
-    assert _code(addr, model=MODEL, request_id="dup-1", **IDS)[0] == grpc.StatusCode.OK
-    _pools_idle(st)
-
-
 def test_two_routers_share_sessions_and_request_ids(stack):
     """A second router on the same Redis: a duplicate id in flight on r1 is refused by r2, and
     a session started on r1 continues on r2 where its KV is."""
@@ -405,12 +220,12 @@ def test_two_routers_share_sessions_and_request_ids(stack):
                 timeout=120,
             )
             next(first)
-            got, details = _code(addr2, model=MODEL, request_id="shared-id", **IDS)
+            got, details = status_of(addr2, model=MODEL, request_id="shared-id", **IDS)
             assert got == grpc.StatusCode.ALREADY_EXISTS, details
             assert sum(len(r.token_ids) for r in first) == 79
         turn1 = [{"role": "user", "content": "Two routers. " + LONG}]  # no block cached yet
         first = decode_counters(st, DECODE)
-        _, text1, out1 = _generate(
+        _, text1, out1 = generate(
             addr1,
             chat=pb.Chat(messages=[pb.ChatMessage(**m) for m in turn1]),
             stopping=pb.StoppingParams(max_tokens=6, ignore_eos=True),
@@ -425,7 +240,7 @@ def test_two_routers_share_sessions_and_request_ids(stack):
             {"role": "assistant", "content": text1},
             {"role": "user", "content": "more"},
         ]
-        _, _, out2 = _generate(
+        _, _, out2 = generate(
             addr2,
             chat=pb.Chat(messages=[pb.ChatMessage(**m) for m in turn2]),
             stopping=pb.StoppingParams(max_tokens=4, ignore_eos=True),

@@ -15,14 +15,23 @@ import grimp
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("megaserve_app", "router", "prefill_service", "decode_service", "megaserve", "kernels")
 SOURCE_DIRS = (*PACKAGES, "deploy", "scripts")
+# The size rule holds for the whole tree: the sources and the tests (fixtures' generator too).
+SIZE_DIRS = (*SOURCE_DIRS, "tests")
+# Test modules still over the module limit, each waiting for a split by its owner: exempt from
+# the module-length check only (their functions are still checked). Remove an entry with its
+# split; add none.
+MODULE_SIZE_ALLOWED = {
+    "tests/test_deploy_manifests.py",
+    "tests/test_serve_faults.py",
+}
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 100
 LONG_REASON = "Why this is long:"  # a module or function over the limit says why in its docstring
 
 
-def _sources() -> list[Path]:
+def _sources(dirs: tuple[str, ...] = SOURCE_DIRS) -> list[Path]:
     out = []
-    for d in SOURCE_DIRS:
+    for d in dirs:
         out += [p for p in (REPO / d).rglob("*.py") if "_pb2" not in p.name]
     return sorted(out)
 
@@ -122,12 +131,14 @@ def _docstring(node) -> str:
 def test_modules_and_functions_stay_small():
     """Modules over ~400 lines and functions over ~100 lines say why in their docstring."""
     long = []
-    for path in _sources():
+    for path in _sources(SIZE_DIRS):
         src = path.read_text()
         tree = ast.parse(src)
         rel = path.relative_to(REPO)
-        if src.count("\n") > MAX_MODULE_LINES and LONG_REASON not in _docstring(tree):
-            long.append(f"{rel}: {src.count(chr(10))} lines")
+        n_lines = src.count("\n")
+        if n_lines > MAX_MODULE_LINES and LONG_REASON not in _docstring(tree):
+            if rel.as_posix() not in MODULE_SIZE_ALLOWED:
+                long.append(f"{rel}: {n_lines} lines")
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n = node.end_lineno - node.lineno + 1
