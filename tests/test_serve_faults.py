@@ -5,13 +5,8 @@ back and registered within 60 s, and the stack answers exactly after."""
 
 from __future__ import annotations
 
-import json
 import os
-import random
-import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -21,9 +16,10 @@ import pytest
 from megaserve.state_keys import worker_key, workers_set
 from megaserve.v1 import generation_pb2 as pb
 from megaserve_app.client import stream_request
-from megaserve_app.launch import child_env, worker_stats
+from megaserve_app.launch import worker_stats
 from megaserve_app.supervise import GiveUp, RestartPolicy, Supervisor
-from tests.conftest import REPO, FakeClock
+from tests.conftest import FakeClock
+from tests.serve_process import Served, Streams, descendants, make_requests, pid_of, warmup_of
 from tests.stack import make_chat_checkpoint
 
 
@@ -179,186 +175,6 @@ def test_delay_is_capped():
 
 
 # -- the real stack -------------------------------------------------------------------------
-def _descendants(pid: int) -> dict[int, str]:
-    """Every live descendant of pid: its command line."""
-    parents, cmds = {}, {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    parents[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
-                with open(f"/proc/{d}/cmdline", "rb") as f:
-                    cmds[int(d)] = f.read().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-    out, frontier = {}, {pid}
-    while frontier:
-        kids = {p for p, pp in parents.items() if pp in frontier}
-        out |= {k: cmds.get(k, "") for k in kids}
-        frontier = kids
-    return out
-
-
-def _pid_of(serve_pid: int, worker_id: str) -> int:
-    found = [p for p, c in _descendants(serve_pid).items() if f"--worker-id {worker_id} " in c]
-    assert len(found) == 1, (worker_id, found)
-    return found[0]
-
-
-class Served:
-    """`megaserve serve` as a subprocess (--verbose: the router's placement and migration log
-    lines come through); its output is read in the background."""
-
-    def __init__(self, *args: str):
-        cmd = [sys.executable, "-m", "megaserve_app.cli", "serve", "--port", "0", *args]
-        self.p = subprocess.Popen(
-            cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        self.lines: list[str] = []
-        self._cv = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.p.stdout:
-            with self._cv:
-                self.lines.append(line)
-                self._cv.notify_all()
-        with self._cv:
-            self._cv.notify_all()
-
-    def wait_line(self, pattern: str, timeout: float, start: int = 0) -> tuple[int, re.Match]:
-        """The first output line from index `start` on matching pattern: (index, match)."""
-        end = time.monotonic() + timeout
-        with self._cv:
-            while True:
-                for i in range(start, len(self.lines)):
-                    m = re.search(pattern, self.lines[i])
-                    if m:
-                        return i, m
-                left = end - time.monotonic()
-                assert left > 0 and self.p.poll() is None, (pattern, self.output()[-6000:])
-                self._cv.wait(min(left, 1.0))
-
-    def output(self, own_only: bool = True) -> str:
-        with self._cv:
-            lines = list(self.lines)
-        return "".join(x for x in lines if not (own_only and x.startswith("[")))
-
-    def router_events(self, event: str, prefix: str) -> list[dict]:
-        """The router's JSON log records of `event` for request ids starting with prefix."""
-        out = []
-        with self._cv:
-            lines = [x[len("[router] ") :] for x in self.lines if x.startswith("[router] {")]
-        for x in lines:
-            try:
-                rec = json.loads(x)
-            except ValueError:
-                continue
-            if rec.get("event") == event and str(rec.get("request_id", "")).startswith(prefix):
-                out.append(rec)
-        return out
-
-    def stop(self) -> int:
-        if self.p.poll() is None:
-            self.p.send_signal(signal.SIGTERM)
-            try:
-                self.p.wait(60)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait()
-        return self.p.returncode
-
-
-def _requests(
-    seed: int, n: int = 24, long_every: int = 6, max_tokens: tuple[int, int] = (48, 72)
-) -> list[pb.GenerateRequest]:
-    """n requests: every long_every-th prompt longer than disagg_min_uncached_tokens (256, the
-    default: the prefill tier), the others short (co-located); greedy and seeded alternate."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        length = rng.randrange(264, 296) if i % long_every == 0 else rng.randrange(16, 48)
-        sampling = (
-            pb.SamplingParams(temperature=0.8, top_k=40, seed=1000 + seed + i)
-            if i % 2
-            else pb.SamplingParams(temperature=0.0)
-        )
-        out.append(
-            pb.GenerateRequest(
-                prompt_token_ids=pb.TokenIds(
-                    ids=[rng.randrange(100, 49000) for _ in range(length)]
-                ),
-                sampling=sampling,
-                stopping=pb.StoppingParams(max_tokens=rng.randint(*max_tokens), ignore_eos=True),
-            )
-        )
-    return out
-
-
-def _warmup(reqs: list[pb.GenerateRequest]) -> list[pb.GenerateRequest]:
-    """The requests with other prompt tokens of the same lengths, 4 tokens each."""
-    out = []
-    for i, r in enumerate(reqs):
-        w = pb.GenerateRequest()
-        w.CopyFrom(r)
-        w.prompt_token_ids.ids[:] = [(t * 7 + i) % 48000 + 100 for t in r.prompt_token_ids.ids]
-        w.stopping.max_tokens = 4
-        out.append(w)
-    return out
-
-
-class Streams:
-    """The requests as concurrent public streams (one thread each), under request ids
-    `{prefix}{i}`: tokens, first-token and end times, errors."""
-
-    def __init__(self, address: str, reqs: list[pb.GenerateRequest], prefix: str):
-        self.prefix, self.n = prefix, len(reqs)
-        self.tokens: list[list[int]] = [[] for _ in reqs]
-        self.first: list[float | None] = [None] * len(reqs)
-        self.done: list[float | None] = [None] * len(reqs)
-        self.errors: dict[int, str] = {}
-        self.t0 = time.monotonic()
-        self.threads = []
-        for i, r in enumerate(reqs):
-            req = pb.GenerateRequest()
-            req.CopyFrom(r)
-            req.request_id = f"{prefix}{i}"
-            t = threading.Thread(target=self._one, args=(address, i, req), daemon=True)
-            t.start()
-            self.threads.append(t)
-
-    def _one(self, address: str, i: int, req: pb.GenerateRequest) -> None:
-        try:
-            for r in stream_request(address, req, timeout=300):
-                if r.token_ids and self.first[i] is None:
-                    self.first[i] = time.monotonic()
-                self.tokens[i] += r.token_ids
-        except grpc.RpcError as e:
-            self.errors[i] = f"{e.code().name}: {e.details()}"
-        self.done[i] = time.monotonic()
-
-    def wait(self, pred, timeout: float = 240.0) -> None:
-        end = time.monotonic() + timeout
-        while not pred():
-            assert time.monotonic() < end, (self.first, self.done, self.errors)
-            time.sleep(0.01)
-
-    def join(self, timeout: float = 300.0) -> list[list[int]]:
-        for t in self.threads:
-            t.join(timeout)
-        assert not self.errors, self.errors
-        return self.tokens
-
-    def summary(self) -> str:
-        firsts = [f - self.t0 for f in self.first if f is not None]
-        ends = [d - self.t0 for d in self.done if d is not None]
-        return (
-            f"{self.n} streams, first tokens {min(firsts):.1f}-{max(firsts):.1f} s, "
-            f"done {min(ends):.1f}-{max(ends):.1f} s"
-        )
-
-
 class Restart:
     """Kills worker_id (-9) and, in the background, times until Redis has its record again
     at a new address (registered) after the old one's."""
@@ -368,7 +184,7 @@ class Restart:
         self.old = self.address()
         self.back: float | None = None
         self.mark = len(served.lines)
-        os.kill(_pid_of(served.p.pid, worker_id), signal.SIGKILL)
+        os.kill(pid_of(served.p.pid, worker_id), signal.SIGKILL)
         self.t_kill = time.monotonic()
         threading.Thread(target=self._watch, daemon=True).start()
 
@@ -401,7 +217,7 @@ class Restart:
         return self.back
 
 
-def _disaggregated(served: Served, prefix: str) -> int:
+def disaggregated(served: Served, prefix: str) -> int:
     return sum(1 for e in served.router_events("placed", prefix) if e.get("disaggregated"))
 
 
@@ -419,14 +235,14 @@ def test_serve_survives_kill9_of_a_decode_then_the_prefill_worker(tmp_path):
         print(f"\nstack up in {up_s:.1f} s at {address}")
 
         # 1. A decode worker dies with streams running on it.
-        reqs = _requests(seed=1)
+        reqs = make_requests(seed=1)
         # First, the shapes: a cold compile cache stalls a worker for tens of seconds per new
         # program, past the reservation lease (60 s); every run after the first is warm.
-        Streams(address, _warmup(reqs), "warm-").join()
+        Streams(address, warmup_of(reqs), "warm-").join()
         ref = Streams(address, reqs, "ref1-")
         want = ref.join()
-        print(f"reference: {ref.summary()}; {_disaggregated(s, 'ref1-')} via the prefill tier")
-        assert _disaggregated(s, "ref1-") > 0
+        print(f"reference: {ref.summary()}; {disaggregated(s, 'ref1-')} via the prefill tier")
+        assert disaggregated(s, "ref1-") > 0
         run = Streams(address, reqs, "kill1-")
         run.wait(lambda: all(run.first))
         running = {
@@ -459,9 +275,9 @@ def test_serve_survives_kill9_of_a_decode_then_the_prefill_worker(tmp_path):
         # 2. The prefill worker dies with prompts in flight on it.
         # The kill lands while the prompts are in the prefill tier: shorter streams do, and
         # fewer long prompts (each falls back to a prefill on a busy decode worker).
-        reqs2 = _requests(seed=2, long_every=12, max_tokens=(16, 32))
+        reqs2 = make_requests(seed=2, long_every=12, max_tokens=(16, 32))
         run2 = Streams(address, reqs2, "kill2-")
-        run2.wait(lambda: _disaggregated(s, "kill2-") > 0)
+        run2.wait(lambda: disaggregated(s, "kill2-") > 0)
         long_started = sum(run2.first[i] is not None for i in range(0, 24, 12))
         kill = Restart(s, r, "prefill-0")
         got2 = run2.join()
@@ -472,11 +288,11 @@ def test_serve_survives_kill9_of_a_decode_then_the_prefill_worker(tmp_path):
         print(f"prefill-0 back and registered {back:.1f} s after the kill")
         ref2 = Streams(address, reqs2, "ref2-")
         assert ref2.join() == got2  # the undisturbed run of the same requests
-        fresh = _requests(
+        fresh = make_requests(
             seed=3, n=2, long_every=1, max_tokens=(8, 8)
         )  # uncached: the restarted prefill tier
         first = Streams(address, fresh, "fresh-").join()
-        assert _disaggregated(s, "fresh-") > 0
+        assert disaggregated(s, "fresh-") > 0
         assert Streams(address, fresh, "again-").join() == first
     finally:
         rc = s.stop()
@@ -505,7 +321,7 @@ def test_serve_restarts_its_router_on_its_port_and_its_redis(tmp_path):
         want = _generate(address, prompt)
         for name, marker in (("router", "megaserve_app.cli router "), ("redis", "redis-server")):
             mark = len(s.lines)
-            pids = [p for p, c in _descendants(s.p.pid).items() if marker in c]
+            pids = [p for p, c in descendants(s.p.pid).items() if marker in c]
             assert len(pids) == 1, (name, pids)
             os.kill(pids[0], signal.SIGKILL)
             _, m = s.wait_line(
