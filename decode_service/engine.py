@@ -10,7 +10,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+import jax.numpy as jnp
 import numpy as np
+import structlog
 
 from decode_service.events import TokenEvent, top_logprobs
 from decode_service.reservations import Reservation, Reservations
@@ -26,6 +28,8 @@ from megaserve.runner.batch import TokenBatch
 from megaserve.runner.buckets import StepConfig
 from megaserve.runner.factory import make_runner
 from megaserve.sampling_params import SamplingArrays
+
+log = structlog.get_logger("megaserve.decode")
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,7 @@ class DecodeEngine:
         self.clock = time.monotonic  # deadlines are on this clock; tests inject a fake one
         self._deadlines: dict[str, float] = {}  # request id -> deadline, while it may queue
         self.expired_in_queue = 0  # requests dropped from the queue at their deadline
+        self.step_failures = 0  # steps that raised; their requests ended with ERROR
 
     # -- caller side -------------------------------------------------------------------
     def validate(self, prompt: list[int], max_tokens: int) -> None:
@@ -242,7 +247,12 @@ class DecodeEngine:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            if not self.run_once():
+            try:
+                worked = self.run_once()
+            except Exception:  # outside any step (a bug): log it, keep the thread alive
+                log.exception("engine iteration failed")
+                worked = False
+            if not worked:
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
 
@@ -260,12 +270,46 @@ class DecodeEngine:
         plan = self.sched.plan()
         worked = False
         if plan.prefill is not None:
-            self._run_prefill(plan.prefill, plan.prefill_tokens, plan.prefill_start)
+            seq = plan.prefill
+            self._guarded([seq], self._run_prefill, seq, plan.prefill_tokens, plan.prefill_start)
             worked = True
-        if plan.decode:
-            self._run_decode(plan.decode)
+        decode = [s for s in plan.decode if s.request_id in self._live]  # a failed prefill
+        if decode:
+            self._guarded(decode, self._run_decode, decode)
             worked = True
         return worked
+
+    def _guarded(self, seqs: list[Sequence], step, *args) -> None:
+        """Runs one step; if it raises, its requests end with ERROR (INTERNAL to their
+        callers) and the engine goes on. A step that lost the pool (its donated buffers are
+        gone) ends every live request and reservation and starts from a fresh, empty pool."""
+        try:
+            step(*args)
+        except Exception as e:
+            self.step_failures += 1
+            msg = f"{step.__name__.strip('_')} failed: {type(e).__name__}: {e}"
+            lost = self.pool.k.is_deleted() or self.pool.v.is_deleted()
+            log.exception("step failed", requests=[s.request_id for s in seqs], pool_lost=lost)
+            for s in list(self._live.values()) if lost else seqs:
+                if s.request_id in self._live:
+                    self._fail(s, msg)
+            if lost:
+                self._reset_pool()
+
+    def _fail(self, seq: Sequence, msg: str) -> None:
+        self.sched.finish(seq, FinishReason.ERROR)
+        sink = self._sinks.get(seq.request_id)
+        if sink is not None:
+            sink(TokenEvent(seq.request_id, [], FinishReason.ERROR, self.steps, error=msg))
+        self._forget(seq.request_id)
+
+    def _reset_pool(self) -> None:
+        for rid in list(self.reservations.open):
+            self.reservations.drop(rid)
+        self.pool.k = jnp.zeros(self.pool.k.shape, self.pool.k.dtype)
+        self.pool.v = jnp.zeros(self.pool.v.shape, self.pool.v.dtype)
+        dropped = self.alloc.drop_cache()
+        log.warning("pool reset", dropped_blocks=dropped)
 
     def _apply_cancels(self) -> None:
         with self._lock:
@@ -377,6 +421,7 @@ class DecodeEngine:
             "cached_prompt_tokens": self.cached_prompt_tokens,
             "imported_requests": self.imported_requests,
             "requests": self.requests,
+            "step_failures": self.step_failures,
         }
 
 

@@ -23,6 +23,7 @@ class TokenEvent:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None  # when the request asked for them
+    error: str = ""  # with FinishReason.ERROR: what failed, for the INTERNAL status message
 
 
 def top_logprobs(logits: np.ndarray, token: int, n: int) -> TokenLogprobs:

@@ -39,6 +39,11 @@ class WorkerMetrics:
             "Sequences preempted (freed and recomputed).",
             lambda: engine.sched.preemptions,
         )
+        gauge(
+            "megaserve:num_step_failures_total",
+            "Prefill or decode steps that raised (their requests ended INTERNAL).",
+            lambda: engine.step_failures,
+        )
         self.ttft = Histogram(
             "megaserve:time_to_first_token_seconds",
             "Request arrival to first token.",

@@ -115,6 +115,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 if done:
                     m.finished(e.finish_reason)
                     log.info("finished", request_id=rid, reason=e.finish_reason)
+                if e.finish_reason is FinishReason.ERROR:
+                    await abort(
+                        context,
+                        grpc.StatusCode.INTERNAL,
+                        Reason.STEP_FAILED,
+                        f"request {rid!r}: {e.error}",
+                    )
                 if e.finish_reason is FinishReason.ABORT:
                     if deadline is not None and self.engine.clock() >= deadline:
                         await context.abort(

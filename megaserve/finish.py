@@ -12,6 +12,7 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_tokens reached
     STOP_STRING = "stop_string"  # the router matched a stop string (public API only)
     ABORT = "abort"  # cancelled or released before the end (never sent as a finish)
+    ERROR = "error"  # the step computing it failed: the call ends INTERNAL (never a finish)
 
     def to_decode_proto(self) -> int:
         """decode_pb2.FinishReason of this reason (ABORT has none: it ends the call)."""

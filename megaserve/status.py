@@ -39,6 +39,9 @@ class Reason(enum.StrEnum):
     # A prefill worker's push into the decode worker's reservation failed: the decode side
     # (or the path to it) is at fault, not the prefill worker.
     KV_HANDOFF_FAILED = "KV_HANDOFF_FAILED"
+    # The worker's step computing this request failed (the worker goes on serving): another
+    # worker, or this one later, may succeed.
+    STEP_FAILED = "STEP_FAILED"
 
 
 def rich_status(code: grpc.StatusCode, reason: Reason, message: str, **metadata: str):

@@ -102,6 +102,19 @@ class PageAllocator:
         self.block_events.append((1, block_hash))
         return page
 
+    def drop_cache(self) -> int:
+        """Forgets every cached block (their pages become free); the pool's contents were
+        lost. Owned pages keep their references. Returns the number of blocks dropped."""
+        dropped = 0
+        for p in list(self.lru):
+            del self.lru[p]
+            self.free.append(p)
+        for p, h in list(self.page_hash.items()):
+            del self.page_hash[p], self.by_hash[h]
+            self.block_events.append((-1, h))
+            dropped += 1
+        return dropped
+
     def cached_hashes(self) -> list[int]:
         """Every block hash held (owned or cached); safe to call from another thread."""
         for _ in range(10):

@@ -125,7 +125,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("total_pages", "free_pages", "cached_pages", "running", "waiting", "reserved", "steps", "preemptions", "page_size", "prefill_tokens", "cached_prompt_tokens", "imported_requests", "requests")
+    __slots__ = ("total_pages", "free_pages", "cached_pages", "running", "waiting", "reserved", "steps", "preemptions", "page_size", "prefill_tokens", "cached_prompt_tokens", "imported_requests", "requests", "step_failures")
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,7 @@ class StatsResponse(_message.Message):
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IMPORTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FAILURES_FIELD_NUMBER: _ClassVar[int]
     total_pages: int
     free_pages: int
     cached_pages: int
@@ -152,4 +153,5 @@ class StatsResponse(_message.Message):
     cached_prompt_tokens: int
     imported_requests: int
     requests: int
-    def __init__(self, total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., reserved: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., page_size: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., imported_requests: _Optional[int] = ..., requests: _Optional[int] = ...) -> None: ...
+    step_failures: int
+    def __init__(self, total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., reserved: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., page_size: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., imported_requests: _Optional[int] = ..., requests: _Optional[int] = ..., step_failures: _Optional[int] = ...) -> None: ...
