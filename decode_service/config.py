@@ -8,7 +8,12 @@ from dataclasses import dataclass, field
 from decode_service.engine import EngineConfig
 from decode_service.scheduler import SchedulerConfig
 from megaserve.security import TLSConfig
-from megaserve.worker_args import add_common_arguments, advertised_address, served_model_name
+from megaserve.worker_args import (
+    add_backend_argument,
+    add_common_arguments,
+    advertised_address,
+    served_model_name,
+)
 
 
 @dataclass(frozen=True)
@@ -16,6 +21,7 @@ class WorkerConfig:
     """One decode worker process."""
 
     checkpoint: str = "smollm2"
+    dtype: str = "auto"  # --dtype: see megaserve.model.serving_dtype
     host: str = "127.0.0.1"
     port: int = 0
     worker_id: str = field(default_factory=lambda: f"decode-{uuid.uuid4().hex[:8]}")
@@ -36,12 +42,14 @@ def add_arguments(p) -> None:
     p.add_argument("--max-waiting", type=int, default=256)
     p.add_argument("--prefill-chunk", type=int, default=256)
     p.add_argument("--shutdown-grace", type=float, default=10.0)
+    add_backend_argument(p)
 
 
 def config_from_args(a) -> WorkerConfig:
     """TLSConfigError for unreadable TLS files (checked before any model loads)."""
     return WorkerConfig(
         checkpoint=a.checkpoint,
+        dtype=a.dtype,
         host=a.host,
         port=a.port,
         worker_id=a.worker_id or f"decode-{uuid.uuid4().hex[:8]}",
@@ -56,6 +64,7 @@ def config_from_args(a) -> WorkerConfig:
             page_size=a.page_size,
             kv_budget_bytes=a.kv_budget_mb * 2**20,
             max_context=a.max_context,
+            backend=a.backend,
             scheduler=SchedulerConfig(
                 max_running=a.max_running, max_waiting=a.max_waiting, prefill_chunk=a.prefill_chunk
             ),

@@ -8,16 +8,17 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-import jax.numpy as jnp
 import numpy as np
 import structlog
 
+from decode_service.emission import Emission
 from decode_service.events import TokenEvent, top_logprobs
 from decode_service.reservations import Reservation, Reservations
 from decode_service.scheduler import Scheduler, SchedulerConfig
 from decode_service.sequence import Sequence
+from decode_service.step_failures import StepFailures
 from kernels.kv_cache import KVPool
 from megaserve.errors import DuplicateRequest, NoCapacity, RequestError, check_prompt_ids
 from megaserve.finish import FinishReason
@@ -39,11 +40,12 @@ class EngineConfig:
     max_context: int = 2048  # prompt + output tokens per sequence
     scheduler: SchedulerConfig = SchedulerConfig()
     attach_lease_s: float = 30.0  # committed imported KV waits this long for its Generate call
-    # Decode step backend: "xla" or "pallas" (the megakernel); None = pallas on TPU, else xla.
-    backend: str | None = None
+    # Decode step backend (--backend): "auto", "xla" or "pallas"; see runner.choose_backend.
+    backend: str = "auto"
+    vmem_budget_bytes: int | None = None  # the megakernel plan's VMEM cap (None: tpu7x's)
 
 
-class DecodeEngine:
+class DecodeEngine(Emission, StepFailures):
     """Owns the pool, allocator, scheduler, reservations and runner; the public methods are
     safe from any thread (the engine thread owns all state below them)."""
 
@@ -59,14 +61,14 @@ class DecodeEngine:
             model.params["embed"].dtype,
         )
         self.alloc = PageAllocator(self.pool.num_pages, cfg.page_size)
-        self.sched = Scheduler(cfg.scheduler, self.alloc)
         self.max_pages_per_seq = math.ceil(cfg.max_context / cfg.page_size)
         step_cfg = StepConfig.for_limits(
             cfg.scheduler.max_running, cfg.scheduler.prefill_chunk, self.max_pages_per_seq
         )
         self.runner = make_runner(
-            model.family, mc, model.params, self.pool, step_cfg, backend=cfg.backend
+            model.family, mc, model.params, self.pool, step_cfg, cfg.backend, cfg.vmem_budget_bytes
         )
+        self.sched = Scheduler(self._fit_running(cfg.scheduler), self.alloc)
         self.reservations = Reservations(
             self.alloc, self.pool, cfg.attach_lease_s, self._start_imported, self._abort_waiter
         )
@@ -88,6 +90,15 @@ class DecodeEngine:
         self._deadlines: dict[str, float] = {}  # request id -> deadline, while it may queue
         self.expired_in_queue = 0  # requests dropped from the queue at their deadline
         self.step_failures = 0  # steps that raised; their requests ended with ERROR
+
+    def _fit_running(self, sc: SchedulerConfig) -> SchedulerConfig:
+        """The scheduler config with max_running lowered to what one decode call can take:
+        requests beyond it wait in the queue (bounded by max_waiting, then refused)."""
+        most, why = self.runner.max_batch()
+        if most >= sc.max_running:
+            return sc
+        log.warning("max_running lowered", requested=sc.max_running, to=most, why=why)
+        return replace(sc, max_running=most)
 
     # -- caller side -------------------------------------------------------------------
     def validate(self, prompt: list[int], max_tokens: int) -> None:
@@ -279,38 +290,6 @@ class DecodeEngine:
             worked = True
         return worked
 
-    def _guarded(self, seqs: list[Sequence], step, *args) -> None:
-        """Runs one step; if it raises, its requests end with ERROR (INTERNAL to their
-        callers) and the engine goes on. A step that lost the pool (its donated buffers are
-        gone) ends every live request and reservation and starts from a fresh, empty pool."""
-        try:
-            step(*args)
-        except Exception as e:
-            self.step_failures += 1
-            msg = f"{step.__name__.strip('_')} failed: {type(e).__name__}: {e}"
-            lost = self.pool.k.is_deleted() or self.pool.v.is_deleted()
-            log.exception("step failed", requests=[s.request_id for s in seqs], pool_lost=lost)
-            for s in list(self._live.values()) if lost else seqs:
-                if s.request_id in self._live:
-                    self._fail(s, msg)
-            if lost:
-                self._reset_pool()
-
-    def _fail(self, seq: Sequence, msg: str) -> None:
-        self.sched.finish(seq, FinishReason.ERROR)
-        sink = self._sinks.get(seq.request_id)
-        if sink is not None:
-            sink(TokenEvent(seq.request_id, [], FinishReason.ERROR, self.steps, error=msg))
-        self._forget(seq.request_id)
-
-    def _reset_pool(self) -> None:
-        for rid in list(self.reservations.open):
-            self.reservations.drop(rid)
-        self.pool.k = jnp.zeros(self.pool.k.shape, self.pool.k.dtype)
-        self.pool.v = jnp.zeros(self.pool.v.shape, self.pool.v.dtype)
-        dropped = self.alloc.drop_cache()
-        log.warning("pool reset", dropped_blocks=dropped)
-
     def _apply_cancels(self) -> None:
         with self._lock:
             cancels, self._cancel = self._cancel, set()
@@ -355,55 +334,6 @@ class DecodeEngine:
             self.sched.register_full_pages(s)
             lps = [top_logprobs(logits[0, i], int(t), s.logprobs)] if s.logprobs else None
             self._emit(s, [int(t)], logprobs=lps)
-
-    def _emit(self, seq: Sequence, new: list[int], first: bool = False, logprobs=None) -> None:
-        seq.output.extend(new)
-        reason = None
-        if new[-1] in seq.stop_ids:
-            reason = FinishReason.STOP
-        elif len(seq.output) >= seq.max_tokens:
-            reason = FinishReason.LENGTH
-        if reason:
-            self._finish(seq, reason, new, first, logprobs)
-        else:
-            self._send(seq, new, None, first, logprobs)
-
-    def _finish(
-        self,
-        seq: Sequence,
-        reason: FinishReason,
-        new: list[int],
-        first: bool = False,
-        logprobs=None,
-    ) -> None:
-        self.sched.finish(seq, reason)
-        self._send(seq, new, reason, first, logprobs)
-        self._forget(seq.request_id)
-
-    def _send(
-        self,
-        seq: Sequence,
-        new: list[int],
-        reason: FinishReason | None,
-        first: bool,
-        logprobs=None,
-    ) -> None:
-        if first:
-            self.cached_prompt_tokens += seq.num_cached_tokens
-        sink = self._sinks.get(seq.request_id)
-        if sink is None:
-            return
-        sink(
-            TokenEvent(
-                seq.request_id,
-                new,
-                reason,
-                self.steps,
-                len(seq.prompt) if first else 0,
-                seq.num_cached_tokens if first else 0,
-                logprobs,
-            )
-        )
 
     def stats(self) -> dict:
         a = self.alloc

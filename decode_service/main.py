@@ -10,8 +10,9 @@ import structlog
 from decode_service.config import WorkerConfig, add_arguments, config_from_args
 from decode_service.engine import DecodeEngine, wait_idle
 from decode_service.server import create_server
+from megaserve.errors import BackendError
 from megaserve.grpc_server import serve_until_signal
-from megaserve.model import LoadedModel
+from megaserve.model import LoadedModel, serving_dtype
 from megaserve.registration import Heartbeat
 from megaserve.security import TLSConfigError
 from megaserve.state_keys import WorkerInfo
@@ -21,7 +22,7 @@ log = structlog.get_logger("megaserve.decode")
 
 
 async def serve(cfg: WorkerConfig) -> None:
-    model = LoadedModel.load(cfg.checkpoint, progress=False)
+    model = LoadedModel.load(cfg.checkpoint, serving_dtype(cfg.dtype), progress=False)
     engine = DecodeEngine(model, cfg.engine)
     engine.start()
     server, port, health, servicer = await create_server(engine, f"{cfg.host}:{cfg.port}", cfg.tls)
@@ -84,5 +85,9 @@ def main(a) -> int:
     except TLSConfigError as e:
         print(f"megaserve decode-worker: error: {e}", file=sys.stderr, flush=True)
         return 2
-    asyncio.run(serve(cfg))
+    try:
+        asyncio.run(serve(cfg))
+    except BackendError as e:  # --backend pallas on a config the megakernel cannot take
+        print(f"megaserve decode-worker: error: {e}", file=sys.stderr, flush=True)
+        return 2
     return 0

@@ -35,3 +35,7 @@ def check_prompt_ids(prompt: list[int], vocab_size: int, what: str = "prompt_tok
         raise RequestError(
             f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
         )
+
+
+class BackendError(ValueError):
+    """The requested backend cannot run this model config (the message says why)."""

@@ -10,8 +10,21 @@ import jax.numpy as jnp
 
 from kernels.registry import family_for
 from megaserve.checkpoint import Checkpoint, load_checkpoint
+from megaserve.choices import DTYPE_CHOICES
 from megaserve.errors import CheckpointError
 from megaserve.tokenizer import TextTokenizer
+
+
+def serving_dtype(name: str = "auto") -> Any:
+    """Weights and KV dtype for --dtype: `auto` is bf16 on TPU, f32 elsewhere (the CPU
+    parity tests compare f32 against transformers)."""
+    import jax
+
+    if name not in DTYPE_CHOICES:
+        raise ValueError(f"dtype={name!r} is not one of {DTYPE_CHOICES}")
+    if name == "auto":
+        name = "bf16" if jax.default_backend() == "tpu" else "f32"
+    return jnp.bfloat16 if name == "bf16" else jnp.float32
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ class OfflineGenerator:
         max_context: int | None = None,
         steps_per_call: int = 1,
         prefill_chunk: int = 512,
+        backend: str = "xla",
     ):
         cfg = model.cfg
         self.model = model
@@ -52,7 +53,7 @@ class OfflineGenerator:
         )
         self.prefill_chunk = prefill_chunk
         step_cfg = StepConfig.for_limits(1, prefill_chunk, pages_per_seq, steps_per_call)
-        self.runner = make_runner(model.family, cfg, model.params, self.pool, step_cfg, "xla")
+        self.runner = make_runner(model.family, cfg, model.params, self.pool, step_cfg, backend)
         # A single sequence owns pages 1..N in order; page 0 is the null page.
         self.pages = np.arange(1, pages_per_seq + 1, dtype=np.int32)
 

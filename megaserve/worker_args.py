@@ -23,6 +23,7 @@ def add_common_arguments(p, max_context: int) -> None:
     )
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-context", type=int, default=max_context)
+    add_dtype_argument(p)
     p.add_argument(
         "--served-model-name", help="the name routers know this model by (default: see model_name)"
     )
@@ -34,6 +35,29 @@ def add_common_arguments(p, max_context: int) -> None:
     from megaserve.security import add_tls_arguments
 
     add_tls_arguments(p)
+
+
+def add_dtype_argument(p) -> None:
+    from megaserve.choices import DTYPE_CHOICES
+
+    p.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default="auto",
+        help="weights and KV pool dtype (auto: bf16 on TPU, f32 elsewhere)",
+    )
+
+
+def add_backend_argument(p) -> None:
+    from megaserve.choices import BACKEND_CHOICES
+
+    p.add_argument(
+        "--backend",
+        choices=BACKEND_CHOICES,
+        default="auto",
+        help="decode step: pallas (the megakernel), xla, or auto (the megakernel on TPU when "
+        "it supports the model, else xla; one log line says which and why)",
+    )
 
 
 def advertised_address(a, port: int) -> str:

@@ -7,7 +7,8 @@ import json
 import os
 import sys
 
-from megaserve.errors import CheckpointError, RequestError
+from megaserve.errors import BackendError, CheckpointError, RequestError
+from megaserve.worker_args import add_backend_argument, add_dtype_argument
 
 
 def _ids(text: str) -> list[int]:
@@ -43,6 +44,8 @@ def _add_generate(sub) -> None:
     )
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-context", type=int, default=4096)
+    add_dtype_argument(p)
+    add_backend_argument(p)
     p.add_argument(
         "--json",
         action="store_true",
@@ -64,12 +67,16 @@ def cmd_generate(a: argparse.Namespace) -> int:
         from megaserve_app.client import generate_remote
 
         return generate_remote(a)
-    from megaserve.model import LoadedModel
+    from megaserve.logs import configure
+    from megaserve.model import LoadedModel, serving_dtype
     from megaserve.offline import OfflineGenerator
     from megaserve.sampling_params import SamplingParams
 
+    # Log lines (the backend choice) go to stderr: stdout is the text, or the --json object.
+    # Always: structlog's default (also after structlog.testing.capture_logs) prints to stdout.
+    configure()
     sampling = SamplingParams(a.temperature, a.top_k, a.top_p, a.min_p, a.seed)
-    model = LoadedModel.load(a.checkpoint, progress=not a.json)
+    model = LoadedModel.load(a.checkpoint, serving_dtype(a.dtype), progress=not a.json)
     tok = model.tokenizer
     if a.prompt_ids is not None:
         ids = a.prompt_ids
@@ -80,7 +87,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
     else:
         ids = tok.encode(a.prompt, add_special_tokens=True)
     gen = OfflineGenerator(
-        model, page_size=a.page_size, max_context=a.max_context, steps_per_call=a.steps_per_call
+        model,
+        page_size=a.page_size,
+        max_context=a.max_context,
+        steps_per_call=a.steps_per_call,
+        backend=a.backend,
     )
     stream = gen.stream(ids, a.max_new_tokens, sampling, ignore_eos=a.ignore_eos)
     out: list[int] = []
@@ -184,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.cmd == "generate":
             return cmd_generate(a)
         return a.func(a)
-    except (CheckpointError, RequestError) as e:
+    except (CheckpointError, RequestError, BackendError) as e:
         print(f"megaserve: error: {e}", file=sys.stderr)
         return 2
 

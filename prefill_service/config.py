@@ -15,6 +15,7 @@ class WorkerConfig:
     """One prefill worker process."""
 
     checkpoint: str = "smollm2"
+    dtype: str = "auto"  # --dtype: see megaserve.model.serving_dtype (the decode tier's)
     host: str = "127.0.0.1"
     port: int = 0
     worker_id: str = field(default_factory=lambda: f"prefill-{uuid.uuid4().hex[:8]}")
@@ -43,6 +44,7 @@ def config_from_args(a) -> WorkerConfig:
     """TLSConfigError for unreadable TLS files (checked before any model loads)."""
     return WorkerConfig(
         checkpoint=a.checkpoint,
+        dtype=a.dtype,
         host=a.host,
         port=a.port,
         worker_id=a.worker_id or f"prefill-{uuid.uuid4().hex[:8]}",

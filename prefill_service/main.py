@@ -8,7 +8,7 @@ import sys
 import structlog
 
 from megaserve.grpc_server import serve_until_signal
-from megaserve.model import LoadedModel
+from megaserve.model import LoadedModel, serving_dtype
 from megaserve.registration import Heartbeat
 from megaserve.security import TLSConfigError
 from megaserve.state_keys import WorkerInfo
@@ -21,7 +21,7 @@ log = structlog.get_logger("megaserve.prefill")
 
 
 async def serve(cfg: WorkerConfig) -> None:
-    model = LoadedModel.load(cfg.checkpoint, progress=False)
+    model = LoadedModel.load(cfg.checkpoint, serving_dtype(cfg.dtype), progress=False)
     engine = PrefillEngine(model, cfg.engine)
     server, port, health, servicer = await create_server(engine, f"{cfg.host}:{cfg.port}", cfg.tls)
     address = f"{cfg.advertise_host or cfg.host}:{port}"

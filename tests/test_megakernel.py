@@ -301,9 +301,10 @@ def test_pallas_backend_of_the_decode_step():
     m, _ = mini_model("dense")
     cfg = m.cfg
     assert default_backend() == "xla"  # pallas is the default only on TPU
-    with pytest.raises(ValueError, match="'tpu'"):
-        make_runner(m.family, cfg, m.params, None, backend="tpu")
     step_cfg = StepConfig(batch_buckets=(1, 2), max_pages_per_seq=4)
+    with pytest.raises(ValueError, match="'tpu'"):
+        pool = KVPool.create(cfg.num_layers, 9, PS, cfg.num_kv_heads, cfg.head_dim)
+        make_runner(m.family, cfg, m.params, pool, step_cfg, backend="tpu")
     runners = {}
     for backend in ("xla", "pallas"):
         pool = KVPool.create(cfg.num_layers, 9, PS, cfg.num_kv_heads, cfg.head_dim)

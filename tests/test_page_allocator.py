@@ -92,3 +92,21 @@ def test_random_workload_keeps_invariants():
         a.release(pages)
     a.check_invariants()
     assert a.all_free_or_cached()
+
+
+def test_drop_cache_forgets_every_block_and_frees_cached_pages():
+    """After a lost pool: no hash survives, cached pages are free, owned ones stay owned."""
+    a = PageAllocator(num_pages=9, page_size=4)
+    hashes = block_hashes(list(range(12)), 4)
+    cached, owned = a.allocate(2), a.allocate(1)
+    for p, h in zip(cached + owned, hashes):
+        a.register(p, h)
+    a.release(cached)
+    a.block_events.clear()
+    assert a.drop_cache() == 3
+    a.check_invariants()
+    assert a.by_hash == {} and a.match_prefix(hashes) == []
+    assert sorted(h for sign, h in a.block_events if sign < 0) == sorted(hashes)
+    assert len(a.free) == 7 and a.ref[owned[0]] == 1
+    a.release(owned)
+    assert len(a.free) == 8 and a.all_free_or_cached()

@@ -249,6 +249,22 @@ class MegaPlan:
         return {s.name: s.vmem_bytes for s in self.scratch() if s.vmem_bytes}
 
 
+def unsupported(cfg: Any, page_size: int) -> str | None:
+    """Why the kernel cannot run this model config and page size, or None if it can."""
+    for field in ("qkv_bias", "o_bias"):
+        if getattr(cfg, field, False):
+            return f"megakernel: {field}=True is not implemented yet"
+    hd = cfg.head_dim
+    if hd & (hd - 1) or hd < 2:
+        return f"megakernel: head_dim={hd} must be a power of two (RoPE lane masks)"
+    if page_size % 8:
+        return f"megakernel: page_size={page_size} must be a multiple of 8 (sublanes)"
+    experts = getattr(cfg, "num_experts", 0)
+    if experts > LANES * 8:
+        return f"megakernel: num_experts={experts} > {LANES * 8}"
+    return None
+
+
 def make_plan(
     cfg: Any,
     batch: int,
@@ -264,14 +280,10 @@ def make_plan(
       ValueError naming the config field the kernel does not implement, or when even the
       shallowest rings exceed `vmem_budget`.
     """
-    for field in ("qkv_bias", "o_bias"):
-        if getattr(cfg, field, False):
-            raise ValueError(f"megakernel: {field}=True is not implemented yet")
+    why = unsupported(cfg, page_size)
+    if why:
+        raise ValueError(why)
     hd = cfg.head_dim
-    if hd & (hd - 1) or hd < 2:
-        raise ValueError(f"megakernel: head_dim={hd} must be a power of two (RoPE lane masks)")
-    if page_size % 8:
-        raise ValueError(f"megakernel: page_size={page_size} must be a multiple of 8 (sublanes)")
     kv = cfg.num_kv_heads * hd
     ta = round_up(kv, LANES)
     moe_layers = tuple(getattr(cfg, "moe_layers", ()))
@@ -300,8 +312,6 @@ def make_plan(
         pages_per_seq=pages_per_seq,
     )
     plan = replace(plan, **overrides)
-    if plan.num_experts > LANES * 8:
-        raise ValueError(f"megakernel: num_experts={plan.num_experts} > {LANES * 8}")
     # Shrink the deepest ring first until the allocation fits; depth 2 keeps one load in
     # flight per ring while the other slot is consumed, depth 1 would serialise the stream.
     while plan.vmem_bytes() > vmem_budget:

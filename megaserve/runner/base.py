@@ -51,6 +51,11 @@ class Runner(abc.ABC):
           (i32[n_steps, S] sampled tokens, f32[n_steps, S, V] logits or None).
         """
 
+    def max_batch(self) -> tuple[int, str]:
+        """The most rows one decode call can take, and why (the largest batch bucket, or
+        less where the device program cannot be built for more)."""
+        return self.step_cfg.batch_buckets[-1], "the largest batch bucket"
+
     @property
     @abc.abstractmethod
     def compiled_programs(self) -> int:

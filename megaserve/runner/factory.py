@@ -7,17 +7,43 @@ from types import ModuleType
 from typing import Any
 
 import jax
+import structlog
 
 from kernels.kv_cache import KVPool
+from megaserve.choices import BACKEND_CHOICES
+from megaserve.errors import BackendError
 from megaserve.runner.base import Runner
 from megaserve.runner.buckets import StepConfig
 
-BACKENDS = ("xla", "pallas")
+log = structlog.get_logger("megaserve.runner")
 
 
 def default_backend() -> str:
     """`pallas` (the megakernel) on TPU, `xla` everywhere else."""
     return "pallas" if jax.default_backend() == "tpu" else "xla"
+
+
+def choose_backend(cfg: Any, page_size: int, requested: str | None = "auto") -> tuple[str, str]:
+    """(backend, why) for a --backend value: `auto` is the megakernel on TPU when it supports
+    the config, XLA otherwise; an explicit `pallas` the config cannot take is a BackendError."""
+    from kernels.megakernel.plan import unsupported
+
+    requested = requested or "auto"
+    if requested not in BACKEND_CHOICES:
+        raise BackendError(f"backend={requested!r} is not one of {BACKEND_CHOICES}")
+    why_not = unsupported(cfg, page_size)
+    if requested == "pallas":
+        if why_not:
+            raise BackendError(f"--backend pallas: {why_not}")
+        return "pallas", "requested"
+    if requested == "xla":
+        return "xla", "requested"
+    platform = jax.default_backend()
+    if platform != "tpu":
+        return "xla", f"auto: platform {platform!r} is not TPU"
+    if why_not:
+        return "xla", f"auto: falling back, {why_not}"
+    return "pallas", "auto: TPU and the megakernel supports this config"
 
 
 def make_runner(
@@ -26,18 +52,18 @@ def make_runner(
     params: dict,
     pool: KVPool,
     step_cfg: StepConfig | None = None,
-    backend: str | None = None,
+    backend: str | None = "auto",
+    vmem_budget: int | None = None,
 ) -> Runner:
-    """The runner for a backend (None = `default_backend()`); `pallas` off TPU runs the
-    megakernel in the TPU interpreter."""
-    backend = backend or default_backend()
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    """The runner for a --backend value (None = auto), logging which and why; `pallas` off
+    TPU runs the megakernel in the TPU interpreter. `vmem_budget` caps the megakernel's plan."""
     step_cfg = step_cfg or StepConfig()
+    backend, why = choose_backend(cfg, pool.page_size, backend)
+    log.info("backend", backend=backend, why=why)
     if backend == "pallas":
         from megaserve.runner.pallas import MegakernelRunner
 
-        return MegakernelRunner(family, cfg, params, pool, step_cfg)
+        return MegakernelRunner(family, cfg, params, pool, step_cfg, vmem_budget=vmem_budget)
     from megaserve.runner.xla import XlaRunner
 
     return XlaRunner(family, cfg, params, pool, step_cfg)

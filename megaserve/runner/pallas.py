@@ -14,6 +14,7 @@ from kernels.megakernel.pack import pack_megakernel
 from kernels.megakernel.plan import MegaPlan, make_plan
 from kernels.megakernel.step import megakernel_step
 from kernels.xla_step import pick
+from megaserve.errors import BackendError
 from megaserve.runner.batch import TokenBatch
 from megaserve.runner.xla import XlaRunner
 from megaserve.sampling_params import SamplingArrays
@@ -39,6 +40,7 @@ class MegakernelRunner(XlaRunner):
     """
 
     interpret: bool | None = None
+    vmem_budget: int | None = None  # bytes the plan may take (None: the tpu7x default)
 
     def __post_init__(self):
         super().__post_init__()
@@ -50,7 +52,23 @@ class MegakernelRunner(XlaRunner):
         self._pallas: dict[tuple[int, int], Any] = {}
 
     def plan_for(self, batch: int, pages: int) -> MegaPlan:
-        return make_plan(self.cfg, batch, self.pool.page_size, pages, kv_dtype=self.kv_dtype)
+        budget = {} if self.vmem_budget is None else {"vmem_budget": self.vmem_budget}
+        return make_plan(
+            self.cfg, batch, self.pool.page_size, pages, kv_dtype=self.kv_dtype, **budget
+        )
+
+    def max_batch(self) -> tuple[int, str]:
+        """The largest batch bucket whose plan fits VMEM at the widest page table."""
+        widest = self.step_cfg.page_buckets[-1]
+        refused = None
+        for b in reversed(self.step_cfg.batch_buckets):
+            try:
+                self.plan_for(b, widest)
+            except ValueError as e:
+                refused = refused or f"batch {b}: {e}"
+                continue
+            return b, refused or "the largest batch bucket"
+        raise BackendError(f"no batch bucket plans at {widest} pages per sequence: {refused}")
 
     def decode(
         self,
