@@ -9,7 +9,7 @@ import grpc
 import structlog
 
 from decode_service.engine import DecodeEngine
-from megaserve.errors import RequestError
+from megaserve.errors import RequestError, ReservationGone
 from megaserve.kv.staging import KVImport
 from megaserve.kv.wire import PageGeometry, TransferError
 from megaserve.rpc import kv_transfer_pb2, kv_transfer_pb2_grpc
@@ -83,6 +83,10 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
             if rid is not None and imp is not None and not (imp.complete and trailer):
                 self.engine.cancel(rid)
             raise
+        except ReservationGone as e:  # its lease ran out during the push
+            self.failures += 1
+            log.warning("kv push too late", request_id=rid, error=str(e))
+            await abort(context, grpc.StatusCode.NOT_FOUND, Reason.RESERVATION_NOT_FOUND, str(e))
         except (TransferError, RequestError) as e:
             self.failures += 1
             if self.metrics:

@@ -14,7 +14,7 @@ import numpy as np
 
 from decode_service.sequence import Sequence
 from kernels.kv_cache import KVPool
-from megaserve.errors import DuplicateRequest, RequestError
+from megaserve.errors import DuplicateRequest, RequestError, ReservationGone
 from megaserve.kv.allocator import PageAllocator
 from megaserve.kv.pages import claim_pages
 
@@ -89,7 +89,7 @@ class Reservations:
         """Writes the complete imported pages into the pool; the request may then start."""
         res = self.open.get(request_id)
         if res is None:
-            raise RequestError(f"reservation {request_id!r} expired before its KV committed")
+            raise ReservationGone(f"reservation {request_id!r} expired before its KV committed")
         self.pool.write_pages(np.asarray(res.pages[res.cached_pages :], np.int32), k, v)
         res.first_token = int(first_token)
         # The KV is in; a Generate call must now attach within the attach lease, or the pages

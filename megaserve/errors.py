@@ -39,3 +39,8 @@ def check_prompt_ids(prompt: list[int], vocab_size: int, what: str = "prompt_tok
 
 class BackendError(ValueError):
     """The requested backend cannot run this model config (the message says why)."""
+
+
+class ReservationGone(Exception):
+    """KV arrived for a reservation that expired or was dropped meanwhile (the decode worker
+    was too slow to take it, or released it): the request is fine, retry the hand-off."""

@@ -85,9 +85,7 @@ def retry_after_ms_of(error: grpc.RpcError) -> int | None:
     return None
 
 
-def reason_of(error: grpc.RpcError) -> Reason | None:
-    """The ErrorInfo reason a megaserve tier attached to `error`, or None (e.g. a transport
-    failure, or a peer that sent no details)."""
+def _error_info(error: grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
     try:
         metadata = error.trailing_metadata() or ()
     except Exception:  # a call that never got trailers
@@ -99,11 +97,24 @@ def reason_of(error: grpc.RpcError) -> Reason | None:
         for detail in status.details:
             info = error_details_pb2.ErrorInfo()
             if detail.Unpack(info) and info.domain == DOMAIN:
-                try:
-                    return Reason(info.reason)
-                except ValueError:
-                    return None
+                return info
     return None
+
+
+def reason_of(error: grpc.RpcError) -> Reason | None:
+    """The ErrorInfo reason a megaserve tier attached to `error`, or None (e.g. a transport
+    failure, or a peer that sent no details)."""
+    info = _error_info(error)
+    try:
+        return Reason(info.reason) if info else None
+    except ValueError:
+        return None
+
+
+def error_metadata(error: grpc.RpcError) -> dict[str, str]:
+    """The ErrorInfo metadata a megaserve tier attached (e.g. a hand-off's `decode_reason`)."""
+    info = _error_info(error)
+    return dict(info.metadata) if info else {}
 
 
 def status_for(error: Exception) -> tuple[grpc.StatusCode, Reason]:

@@ -12,7 +12,7 @@ import grpc
 
 from megaserve.errors import NoCapacity
 from megaserve.rpc import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from megaserve.status import Reason, reason_of
+from megaserve.status import Reason, error_metadata, reason_of
 from router.frontend import RouterError
 
 # Codes that mean "this worker (or the path to it) failed", not "this request is bad".
@@ -41,6 +41,10 @@ def classify(worker, e: grpc.aio.AioRpcError, what: str) -> Exception:
         return RouterError(code, f"deadline exceeded during {what}")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED or reason_of(e) == Reason.NO_CAPACITY:
         return NoCapacity(f"{worker.id}: {what}: {e.details()}", source=worker)
+    if error_metadata(e).get("decode_reason") == Reason.RESERVATION_NOT_FOUND:
+        # The decode worker let the reservation go before the KV came (stalled past the
+        # lease, or restarted): its failure, not the request's; try again.
+        return WorkerFailed(worker, f"{what}: reservation lost before the KV: {e.details()}")
     if code in WORKER_FAILED_CODES:
         return WorkerFailed(worker, f"{what}: {code.name} {e.details()}")
     return RouterError(code, e.details() or f"{what} failed with {code.name}")

@@ -1,0 +1,104 @@
+"""KV that arrives after its reservation's lease ran out (a decode worker stalled, e.g.
+compiling a new program, past the lease): NOT_FOUND with RESERVATION_NOT_FOUND on the wire,
+nothing leaked, and the router counts a hand-off that lost its reservation as the decode
+worker's failure (it retries) rather than the request's."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import numpy as np
+
+from decode_service.engine import DecodeEngine, EngineConfig, wait_idle
+from decode_service.server import create_server
+from megaserve.kv import wire
+from megaserve.rpc import decode_pb2, decode_pb2_grpc, kv_transfer_pb2_grpc
+from megaserve.server_thread import ServerThread
+from megaserve.status import Reason, reason_of, rich_status
+from router.frontend import RouterError
+from router.workers import WorkerFailed, classify
+
+PROMPT = list(range(3, 23))  # 20 tokens: two pages of 16
+
+
+def test_kv_after_the_lease_is_not_found_and_frees_everything(tiny_model):
+    engine = DecodeEngine(tiny_model, EngineConfig(max_context=128))
+    engine.start()
+    servers = ServerThread(lambda: create_server(engine))
+    addr = servers.addresses[0]
+    geo = wire.PageGeometry.of_pool(engine.pool)
+    try:
+
+        async def main():
+            async with grpc.aio.insecure_channel(addr) as ch:
+                res = await decode_pb2_grpc.DecodeStub(ch).Reserve(
+                    decode_pb2.ReserveRequest(request_id="late", prompt_token_ids=PROMPT)
+                )
+                n = res.total_pages - res.cached_pages
+                shape = (geo.num_layers, n, geo.page_size, geo.kv_heads, geo.head_dim)
+                k = np.ones(shape, np.dtype(geo.dtype))
+
+                async def messages():
+                    yield wire.header("late", geo, res.cached_pages, n)
+                    await asyncio.to_thread(_end_lease, engine, "late")
+                    for m in wire.chunk_messages(res.cached_pages, k, k):
+                        yield m
+                    yield wire.trailer(7)
+
+                stub = kv_transfer_pb2_grpc.KVTransferStub(ch)
+                try:
+                    await stub.Push(messages())
+                except grpc.aio.AioRpcError as e:
+                    return e
+                raise AssertionError("a push after the lease was accepted")
+
+        e = asyncio.run(main())
+        assert e.code() == grpc.StatusCode.NOT_FOUND, e.details()
+        assert reason_of(e) == Reason.RESERVATION_NOT_FOUND
+        assert "'late' expired before its KV committed" in e.details()
+        wait_idle(engine)
+        engine.alloc.check_invariants()
+        assert engine.alloc.all_free_or_cached() and engine.expired_reservations == 1
+    finally:
+        servers.stop()
+        engine.stop()
+
+
+def _end_lease(engine: DecodeEngine, rid: str) -> None:
+    """Ends the lease on the engine thread, then waits for its next iteration to drop it."""
+
+    def end():
+        engine.reservations[rid].expires = float("-inf")
+
+    engine._call(end)
+    deadline = time.monotonic() + 30
+    while engine.reservation(rid) is not None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+class _Worker:
+    id, address = "decode-x", "127.0.0.1:1"
+
+
+def _prefill_error(decode_reason: str) -> grpc.aio.AioRpcError:
+    """What a prefill worker answers when the decode worker refused its push."""
+    s = rich_status(
+        grpc.StatusCode.NOT_FOUND,
+        Reason.KV_HANDOFF_FAILED,
+        "decode worker refused the KV",
+        decode_reason=decode_reason,
+    )
+    md = grpc.aio.Metadata(*s.trailing_metadata)
+    return grpc.aio.AioRpcError(s.code, grpc.aio.Metadata(), md, s.details)
+
+
+def test_the_router_retries_a_handoff_that_lost_its_reservation():
+    lost = classify(_Worker(), _prefill_error(Reason.RESERVATION_NOT_FOUND), "kv push")
+    assert isinstance(lost, WorkerFailed) and lost.worker.id == "decode-x"
+    assert "reservation lost before the KV" in str(lost)
+    # Any other refusal of the push stays the request's own error.
+    other = classify(_Worker(), _prefill_error(Reason.KV_TRANSFER_INVALID), "kv push")
+    assert isinstance(other, RouterError)
