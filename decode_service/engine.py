@@ -33,6 +33,9 @@ from megaserve.sampling_params import SamplingArrays
 log = structlog.get_logger("megaserve.decode")
 
 
+STALL_S = 1.0  # an iteration's steps longer than this do not count against reservation leases
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     page_size: int = 16
@@ -69,8 +72,17 @@ class DecodeEngine(Emission, StepFailures):
             model.family, mc, model.params, self.pool, step_cfg, cfg.backend, cfg.vmem_budget_bytes
         )
         self.sched = Scheduler(self._fit_running(cfg.scheduler), self.alloc)
+        # Leases run on a clock that stands still during this engine's own long steps (a
+        # compile of a new shape takes tens of seconds on CPU): a lease bounds the sender's
+        # delay, and the KV a stalled engine could not take yet is not the sender's fault.
+        self._stalled_s = 0.0
         self.reservations = Reservations(
-            self.alloc, self.pool, cfg.attach_lease_s, self._start_imported, self._abort_waiter
+            self.alloc,
+            self.pool,
+            cfg.attach_lease_s,
+            self._start_imported,
+            self._abort_waiter,
+            clock=lambda: time.monotonic() - self._stalled_s,
         )
         self.steps = 0
         self._inbox: queue.Queue = queue.Queue()
@@ -280,6 +292,7 @@ class DecodeEngine(Emission, StepFailures):
         self._expire_queued()
         plan = self.sched.plan()
         worked = False
+        t0 = time.monotonic()
         if plan.prefill is not None:
             seq = plan.prefill
             self._guarded([seq], self._run_prefill, seq, plan.prefill_tokens, plan.prefill_start)
@@ -288,6 +301,9 @@ class DecodeEngine(Emission, StepFailures):
         if decode:
             self._guarded(decode, self._run_decode, decode)
             worked = True
+        took = time.monotonic() - t0
+        if took > STALL_S:
+            self._stalled_s += took
         return worked
 
     def _apply_cancels(self) -> None:

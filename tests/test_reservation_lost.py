@@ -41,9 +41,15 @@ def test_kv_after_the_lease_is_not_found_and_frees_everything(tiny_model):
                 k = np.ones(shape, np.dtype(geo.dtype))
 
                 async def messages():
+                    chunks = list(wire.chunk_messages(res.cached_pages, k, k, k[:, :1].nbytes))
+                    assert len(chunks) >= 2
                     yield wire.header("late", geo, res.cached_pages, n)
+                    yield chunks[0]
+                    # The server has taken the header (and the reservation) once it has read
+                    # on; then the lease ends mid-push.
+                    await asyncio.sleep(1.0)
                     await asyncio.to_thread(_end_lease, engine, "late")
-                    for m in wire.chunk_messages(res.cached_pages, k, k):
+                    for m in chunks[1:]:
                         yield m
                     yield wire.trailer(7)
 
@@ -102,3 +108,54 @@ def test_the_router_retries_a_handoff_that_lost_its_reservation():
     # Any other refusal of the push stays the request's own error.
     other = classify(_Worker(), _prefill_error(Reason.KV_TRANSFER_INVALID), "kv push")
     assert isinstance(other, RouterError)
+
+
+def test_a_lease_does_not_run_while_the_engine_itself_is_stalled(tiny_model):
+    """A 4 s decode step (as a cold compile would be) against a 2 s lease: the reservation
+    survives the step, then lapses after 2 s of the engine's ordinary time."""
+    engine = DecodeEngine(tiny_model, EngineConfig(max_context=128))
+    engine.start()
+    servers = ServerThread(lambda: create_server(engine))
+    addr = servers.addresses[0]
+    real = engine.runner.decode
+    slow = {"left": 0}
+
+    def decode(*args, **kwargs):
+        if slow["left"]:
+            slow["left"] -= 1
+            time.sleep(4.0)
+        return real(*args, **kwargs)
+
+    engine.runner.decode = decode
+    try:
+
+        async def main():
+            async with grpc.aio.insecure_channel(addr) as ch:
+                stub = decode_pb2_grpc.DecodeStub(ch)
+                gen = decode_pb2.GenerateRequest(
+                    request_id="g0",
+                    prompt_token_ids=[5, 6, 7],
+                    stopping=decode_pb2.StoppingParams(max_tokens=3, ignore_eos=True),
+                )
+                _ = [r async for r in stub.Generate(gen)]  # the shapes compiled
+                slow["left"] = 1
+                await stub.Reserve(
+                    decode_pb2.ReserveRequest(
+                        request_id="held", prompt_token_ids=PROMPT, lease_ms=2000
+                    )
+                )
+                gen.request_id = "g1"
+                t0 = time.monotonic()
+                _ = [r async for r in stub.Generate(gen)]
+                return time.monotonic() - t0
+
+        took = asyncio.run(main())
+        assert took >= 4.0 and engine.reservation("held") is not None, took
+        _end = time.monotonic() + 30
+        while engine.reservation("held") is not None:
+            assert time.monotonic() < _end
+            time.sleep(0.05)
+        assert engine.expired_reservations == 1
+    finally:
+        servers.stop()
+        engine.stop()
