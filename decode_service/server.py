@@ -17,13 +17,12 @@ from megaserve.errors import NoCapacity, RequestError
 from megaserve.finish import FinishReason
 from megaserve.grpc_server import start_serving
 from megaserve.rpc import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, kv_transfer_pb2_grpc
-from megaserve.sampling_params import SamplingParams
+from megaserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from megaserve.security import TLSConfig, add_port
 from megaserve.status import Reason, abort, abort_for
 
 SERVICE = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
 KV_SERVICE = kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
-MAX_LOGPROBS = 20
 log = structlog.get_logger("megaserve.decode")
 
 

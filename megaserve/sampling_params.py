@@ -11,6 +11,8 @@ import numpy as np
 
 from megaserve.errors import RequestError
 
+MAX_LOGPROBS = 20  # top-n log-probabilities per token, every tier's limit
+
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -11,7 +11,7 @@ import asyncio
 import random
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import structlog
@@ -61,6 +61,7 @@ class Chunk:
     finish_reason: FinishReason | None
     cached_tokens: int = 0  # set on the request's first chunk
     worker_id: str = ""
+    logprobs: list = field(default_factory=list)  # decode_pb2.TokenLogprobs each
 
 
 class Dispatcher:
@@ -220,8 +221,8 @@ class Dispatcher:
     def _use_prefill_tier(self, d: WorkerView, prompt: list[int], job: Job, failed) -> list:
         """Prefill workers to use for this prompt, or [] to prefill on the decode worker."""
         uncached = len(prompt) - d.cached_prefix_blocks(prompt) * d.info.page_size
-        if uncached < self.cfg.disagg_min_uncached_tokens:
-            return []
+        if uncached < self.cfg.disagg_min_uncached_tokens or job.logprobs is not None:
+            return []  # (the hand-off carries the first token, not its log-probabilities)
         pool = [
             w
             for w in self._candidates("prefill", job, failed)
@@ -252,6 +253,9 @@ class Dispatcher:
             sampling=job.sampling,
             stopping=stopping,
             resumed_tokens=len(generated),
+            # The decode tier's 0 means none: ask for one alternative when only the token's own
+            # log-probability is wanted (the router drops it).
+            logprobs=0 if job.logprobs is None else max(job.logprobs, 1),
         )
         prefillers = self._use_prefill_tier(d, prompt, job, failed)
         # Pages this request adds: its prefix hits are shared with whoever cached them.
@@ -288,6 +292,7 @@ class Dispatcher:
                         FinishReason.from_decode_proto(r.finish_reason),
                         r.cached_tokens,
                         d.id,
+                        list(r.logprobs),
                     )
             except grpc.aio.AioRpcError as e:
                 raise classify(d, e, "decode stream") from e

@@ -15,7 +15,7 @@ import jinja2
 from megaserve.checkpoint import TokenizerInfo
 from megaserve.errors import RequestError
 from megaserve.rpc import decode_pb2
-from megaserve.sampling_params import SamplingParams
+from megaserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from megaserve.v1 import generation_pb2 as pb
 from router.stop_strings import StopStringMatcher
 
@@ -53,6 +53,7 @@ class Job:
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
     session_id: str
+    logprobs: int | None = None  # None: not asked; else alternatives per token (0: none)
 
 
 def resolve_model(name: str, models: dict[str, TokenizerInfo]) -> TokenizerInfo:
@@ -171,4 +172,12 @@ def parse_generate(
         tuple(st.stop_token_ids),
         st.ignore_eos,
         req.session_id,
+        logprobs_asked(req.logprobs),
     )
+
+
+def logprobs_asked(lp: pb.LogprobsParams) -> int | None:
+    """None when the request wants no log-probabilities, else its top_n."""
+    if not 0 <= lp.top_n <= MAX_LOGPROBS:
+        raise invalid(f"logprobs.top_n={lp.top_n} must be in [0, {MAX_LOGPROBS}]")
+    return lp.top_n if lp.enabled or lp.top_n else None

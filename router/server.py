@@ -24,6 +24,7 @@ from router.config import RouterConfig
 from router.detokenize import IncrementalDetokenizer
 from router.dispatch import Dispatcher, Overloaded
 from router.frontend import RouterError, chat_messages, invalid, parse_generate, resolve_model
+from router.logprobs import public_logprobs
 from router.readiness import Readiness
 from router.state import ClusterState
 from router.stop_strings import StopStringMatcher
@@ -181,6 +182,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                         ),
                         usage=usage,
                         request_id=job.request_id,
+                        logprobs=public_logprobs(job, c.logprobs),
                     )
                     if reason:
                         log.info(

@@ -5,6 +5,7 @@ health and reflection. Bad input is in tests/test_router_e2e_bad_input.py."""
 from __future__ import annotations
 
 import grpc
+import numpy as np
 import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -251,3 +252,44 @@ def test_two_routers_share_sessions_and_request_ids(stack):
         assert out2[-1].usage.cached_tokens > 0
     finally:
         r2.stop()
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    return x - x.max() - np.log(np.exp(x - x.max()).sum())
+
+
+@pytest.mark.parametrize("top_n", [0, 3])
+def test_logprobs_equal_in_process_logits(stack, reference, top_n):
+    """Per generated token: its log-probability and the top_n alternatives (ids, texts,
+    values) equal log-softmax of the in-process prefill's logits for the same prefix."""
+    st, addr, ck, _ = stack
+    model, gen = reference
+    prompt = list(range(120, 40, -1))  # long and uncached: it would take the prefill tier
+    before = decode_counters(st, DECODE)
+    ids, _, out = generate(
+        addr,
+        prompt_token_ids=pb.TokenIds(ids=prompt),
+        stopping=pb.StoppingParams(max_tokens=6, ignore_eos=True),
+        logprobs=pb.LogprobsParams(enabled=True, top_n=top_n),
+    )
+    moved = counters_moved(before, decode_counters(st, DECODE))
+    assert moved["imported_requests"] == 0  # the hand-off carries no log-probabilities
+    assert all(len(o.logprobs) == len(o.token_ids) for o in out)
+    lps = [lp for o in out for lp in o.logprobs]
+    assert ids == gen.generate(prompt, 6, SamplingParams(), ignore_eos=True).token_ids
+    for i, lp in enumerate(lps):
+        _, logits = gen.prefill(prompt + ids[:i], SamplingParams())
+        ref = _log_softmax(logits)
+        assert lp.token_id == ids[i] and lp.token == model.tokenizer.decode([ids[i]])
+        assert abs(lp.logprob - ref[ids[i]]) < 1e-4, (i, lp.logprob, ref[ids[i]])
+        want = np.argsort(-ref, kind="stable")[:top_n].tolist()
+        assert [t.token_id for t in lp.top] == want
+        assert np.allclose([t.logprob for t in lp.top], ref[want], atol=1e-4)
+        assert [t.token for t in lp.top] == [model.tokenizer.decode([t]) for t in want]
+    # Not asked: none.
+    _, _, plain = generate(addr, prompt_token_ids=pb.TokenIds(ids=prompt[:8]), **_SIX)
+    assert all(not o.logprobs for o in plain)
+
+
+_SIX = {"stopping": pb.StoppingParams(max_tokens=6, ignore_eos=True)}

@@ -62,6 +62,16 @@ BAD = {
         grpc.StatusCode.INVALID_ARGUMENT,
         "10000",
     ),
+    "negative logprobs.top_n": (
+        {"model": MODEL, **IDS, "logprobs": pb.LogprobsParams(enabled=True, top_n=-1)},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "logprobs.top_n=-1",
+    ),
+    "logprobs.top_n above the limit": (
+        {"model": MODEL, **IDS, "logprobs": pb.LogprobsParams(top_n=21)},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "logprobs.top_n=21 must be in [0, 20]",
+    ),
     "negative max_tokens": (
         {"model": MODEL, **IDS, "stopping": pb.StoppingParams(max_tokens=-1)},
         grpc.StatusCode.INVALID_ARGUMENT,

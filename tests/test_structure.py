@@ -64,9 +64,16 @@ def _class_definitions(name: str) -> list[str]:
 
 
 def test_one_definition_of_each_shared_idea():
-    assert _class_definitions("SamplingParams") == ["megaserve/sampling_params.py:16"]
-    assert [d.split(":")[0] for d in _class_definitions("FinishReason")] == ["megaserve/finish.py"]
-    assert [d.split(":")[0] for d in _class_definitions("NoCapacity")] == ["megaserve/errors.py"]
+    for name, home in (
+        ("SamplingParams", "megaserve/sampling_params.py"),
+        ("FinishReason", "megaserve/finish.py"),
+        ("NoCapacity", "megaserve/errors.py"),
+        ("BackendError", "megaserve/errors.py"),
+    ):
+        assert [d.split(":")[0] for d in _class_definitions(name)] == [home], name
+    # The public API's log-probability limit is the decode tier's, defined once.
+    assert not [p for p in _sources() if re.search(r"^MAX_LOGPROBS = ", p.read_text(), re.M)
+                and p.relative_to(REPO).as_posix() != "megaserve/sampling_params.py"]  # fmt: skip
     # The names "no capacity" had before it became one exception, and the finish maps.
     for old in ("Full", "PoolFull", "OutOfPages", "WorkerBusy"):
         assert _class_definitions(old) == [], old
