@@ -85,6 +85,8 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
             raise
         except ReservationGone as e:  # its lease ran out during the push
             self.failures += 1
+            if self.metrics:
+                self.metrics.kv_failures.inc()
             log.warning("kv push too late", request_id=rid, error=str(e))
             await abort(context, grpc.StatusCode.NOT_FOUND, Reason.RESERVATION_NOT_FOUND, str(e))
         except (TransferError, RequestError) as e:

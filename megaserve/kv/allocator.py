@@ -105,14 +105,12 @@ class PageAllocator:
     def drop_cache(self) -> int:
         """Forgets every cached block (their pages become free); the pool's contents were
         lost. Owned pages keep their references. Returns the number of blocks dropped."""
-        dropped = 0
-        for p in list(self.lru):
-            del self.lru[p]
-            self.free.append(p)
-        for p, h in list(self.page_hash.items()):
-            del self.page_hash[p], self.by_hash[h]
-            self.block_events.append((-1, h))
-            dropped += 1
+        self.free.extend(self.lru)
+        self.lru.clear()
+        self.block_events.extend((-1, h) for h in self.by_hash)
+        dropped = len(self.by_hash)
+        self.page_hash.clear()
+        self.by_hash.clear()
         return dropped
 
     def cached_hashes(self) -> list[int]:
