@@ -34,6 +34,7 @@ class WorkerConfig:
     model_name: str = ""  # advertised model name ("" = the checkpoint source)
     advertise_host: str = ""  # host peers dial ("" = host)
     tls: TLSConfig | None = None  # --tls-cert/--tls-key/--tls-ca (mTLS when a CA is given)
+    warm_up: bool = True  # --warm-up all: every program compiled before SERVING
 
 
 def add_arguments(p) -> None:
@@ -60,9 +61,10 @@ def config_from_args(a) -> WorkerConfig:
         model_name=served_model_name(a),
         advertise_host=advertised_address(a, 0).rsplit(":", 1)[0],
         tls=TLSConfig.from_args(a),
+        warm_up=a.warm_up == "all",
         engine=EngineConfig(
             page_size=a.page_size,
-            kv_budget_bytes=a.kv_budget_mb * 2**20,
+            kv_budget_bytes=None if a.kv_budget_mb is None else a.kv_budget_mb * 2**20,
             max_context=a.max_context,
             backend=a.backend,
             scheduler=SchedulerConfig(

@@ -8,26 +8,30 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import structlog
 
 from decode_service.emission import Emission
 from decode_service.events import TokenEvent, top_logprobs
+from decode_service.programs import engine_programs, fit_running, step_config
 from decode_service.reservations import Reservation, Reservations
 from decode_service.scheduler import Scheduler, SchedulerConfig
 from decode_service.sequence import Sequence
 from decode_service.step_failures import StepFailures
 from kernels.kv_cache import KVPool
+from kernels.programs import Program
 from megaserve.errors import DuplicateRequest, NoCapacity, RequestError, check_prompt_ids
 from megaserve.finish import FinishReason
 from megaserve.kv.allocator import PageAllocator
 from megaserve.kv.pages import pages_for_tokens
+from megaserve.memory_plan import start_plan, tree_bytes
 from megaserve.model import LoadedModel
 from megaserve.runner.batch import TokenBatch
-from megaserve.runner.buckets import StepConfig
 from megaserve.runner.factory import make_runner
+from megaserve.runner.warm import warm_up
 from megaserve.sampling_params import SamplingArrays
 
 log = structlog.get_logger("megaserve.decode")
@@ -39,13 +43,17 @@ STALL_S = 1.0  # an iteration's steps longer than this do not count against rese
 @dataclass(frozen=True)
 class EngineConfig:
     page_size: int = 16
-    kv_budget_bytes: int = 256 * 2**20  # the pool is sized from this
+    # The pool is sized from this; None: what the device has left (megaserve.memory_plan).
+    kv_budget_bytes: int | None = 256 * 2**20
     max_context: int = 2048  # prompt + output tokens per sequence
     scheduler: SchedulerConfig = SchedulerConfig()
     attach_lease_s: float = 30.0  # committed imported KV waits this long for its Generate call
     # Decode step backend (--backend): "auto", "xla" or "pallas"; see runner.choose_backend.
     backend: str = "auto"
     vmem_budget_bytes: int | None = None  # the megakernel plan's VMEM cap (None: tpu7x's)
+    # The megakernel's matmul input dtype (None: bf16); float32 is the exactness mode that
+    # compares it token for token with the XLA backend.
+    kernel_matmul_dtype: Any = None
 
 
 class DecodeEngine(Emission, StepFailures):
@@ -55,23 +63,28 @@ class DecodeEngine(Emission, StepFailures):
     def __init__(self, model: LoadedModel, cfg: EngineConfig = EngineConfig()):
         self.model, self.cfg = model, cfg
         mc = model.cfg
+        # Checked before the pool is allocated (exit 2 naming the terms when it cannot fit),
+        # and again after warm-up with every weight copy and the largest program temp.
+        self.memory = start_plan(tree_bytes(model.params), cfg.kv_budget_bytes)
         self.pool = KVPool.for_budget(
             mc.num_layers,
             cfg.page_size,
             mc.num_kv_heads,
             mc.head_dim,
-            cfg.kv_budget_bytes,
+            self.memory.kv_pool,
             model.params["embed"].dtype,
         )
         self.alloc = PageAllocator(self.pool.num_pages, cfg.page_size)
         self.max_pages_per_seq = math.ceil(cfg.max_context / cfg.page_size)
-        step_cfg = StepConfig.for_limits(
-            cfg.scheduler.max_running, cfg.scheduler.prefill_chunk, self.max_pages_per_seq
-        )
+        step_cfg = step_config(cfg.scheduler, cfg.scheduler.max_running, self.max_pages_per_seq)
         self.runner = make_runner(
-            model.family, mc, model.params, self.pool, step_cfg, cfg.backend, cfg.vmem_budget_bytes
-        )
-        self.sched = Scheduler(self._fit_running(cfg.scheduler), self.alloc)
+            model.family, mc, model.params, self.pool, step_cfg, cfg.backend,
+            cfg.vmem_budget_bytes, cfg.kernel_matmul_dtype,
+        )  # fmt: skip
+        sched_cfg = fit_running(self.runner, cfg.scheduler)
+        # Buckets only up to what the scheduler may run: no program is built for more rows.
+        self.runner.step_cfg = step_config(sched_cfg, sched_cfg.max_running, self.max_pages_per_seq)
+        self.sched = Scheduler(sched_cfg, self.alloc)
         # Leases run on a clock that stands still during this engine's own long steps (a
         # compile of a new shape takes tens of seconds on CPU): a lease bounds the sender's
         # delay, and the KV a stalled engine could not take yet is not the sender's fault.
@@ -103,14 +116,14 @@ class DecodeEngine(Emission, StepFailures):
         self.expired_in_queue = 0  # requests dropped from the queue at their deadline
         self.step_failures = 0  # steps that raised; their requests ended with ERROR
 
-    def _fit_running(self, sc: SchedulerConfig) -> SchedulerConfig:
-        """The scheduler config with max_running lowered to what one decode call can take:
-        requests beyond it wait in the queue (bounded by max_waiting, then refused)."""
-        most, why = self.runner.max_batch()
-        if most >= sc.max_running:
-            return sc
-        log.warning("max_running lowered", requested=sc.max_running, to=most, why=why)
-        return replace(sc, max_running=most)
+    def programs(self) -> list[Program]:
+        return engine_programs(self.runner, self.pool, self.max_pages_per_seq)
+
+    def warm_up(self) -> tuple[int, float]:
+        """Compiles, or loads from the persistent compilation cache, every program before
+        serving; returns (programs, seconds) and logs them."""
+        self.memory, n, secs = warm_up(self.runner, self.pool, self.programs(), self.memory)
+        return n, secs
 
     # -- caller side -------------------------------------------------------------------
     def validate(self, prompt: list[int], max_tokens: int) -> None:

@@ -12,6 +12,7 @@ from decode_service.engine import DecodeEngine, wait_idle
 from decode_service.server import create_server
 from megaserve.errors import BackendError
 from megaserve.grpc_server import serve_until_signal
+from megaserve.memory_plan import MemoryPlanError
 from megaserve.model import LoadedModel, serving_dtype
 from megaserve.registration import Heartbeat
 from megaserve.security import TLSConfigError
@@ -22,8 +23,11 @@ log = structlog.get_logger("megaserve.decode")
 
 
 async def serve(cfg: WorkerConfig) -> None:
-    model = LoadedModel.load(cfg.checkpoint, serving_dtype(cfg.dtype), progress=False)
+    e = cfg.engine
+    model = LoadedModel.load_for(cfg.checkpoint, serving_dtype(cfg.dtype), e.backend, e.page_size)
     engine = DecodeEngine(model, cfg.engine)
+    if cfg.warm_up:  # before the health service exists: nothing reports SERVING meanwhile
+        await asyncio.to_thread(engine.warm_up)
     engine.start()
     server, port, health, servicer = await create_server(engine, f"{cfg.host}:{cfg.port}", cfg.tls)
     address = f"{cfg.advertise_host or cfg.host}:{port}"
@@ -87,7 +91,7 @@ def main(a) -> int:
         return 2
     try:
         asyncio.run(serve(cfg))
-    except BackendError as e:  # --backend pallas on a config the megakernel cannot take
+    except (BackendError, MemoryPlanError) as e:  # --backend pallas it cannot take; no fit
         print(f"megaserve decode-worker: error: {e}", file=sys.stderr, flush=True)
         return 2
     return 0

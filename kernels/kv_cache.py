@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from kernels.programs import Program, ProgramCache, abstract
 
 
 @partial(jax.jit, donate_argnums=(0, 1))
@@ -36,7 +38,14 @@ def pow2_pieces(n: int) -> list[tuple[int, int]]:
 
 @dataclass
 class KVPool:
-    """K and V pages, f32/bf16[L, num_pages, page_size, Hkv, D]; page 0 is the null page.
+    """K and V pages, f32/bf16[L, num_pages, page_size, Hkv * D]; page 0 is the null page.
+
+    One layout for every program that touches the pool (the megakernel, the XLA prefill and
+    decode steps, page import/export): a page is one contiguous [page_size, Hkv * D] block,
+    which is what the megakernel DMAs. On TPU a 5-D [.., Hkv, D] pool tiles its last two dims
+    differently, so any program viewing it the other way re-lays out the whole pool; the
+    heads are split only on the small arrays a program gathers from it. Host-side page
+    buffers (the KV wire) keep [.., Hkv, D]: the same bytes, row-major.
 
     The arrays are replaced (not mutated) by every step that donates them, so holders must
     read `pool.k` / `pool.v` after each call rather than keep references.
@@ -44,6 +53,9 @@ class KVPool:
 
     k: jax.Array
     v: jax.Array
+    num_kv_heads: int
+    head_dim: int
+    programs_run: ProgramCache = field(default_factory=ProgramCache, repr=False)
 
     @classmethod
     def create(
@@ -59,8 +71,12 @@ class KVPool:
             raise ValueError(f"{num_pages=} must be >= 2 (page 0 is the null page)")
         if page_size < 1:
             raise ValueError(f"{page_size=} must be >= 1")
-        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        shape = (num_layers, num_pages, page_size, num_kv_heads * head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), num_kv_heads, head_dim)
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
 
     @property
     def num_pages(self) -> int:
@@ -76,23 +92,52 @@ class KVPool:
         per = int(np.prod(self.k.shape)) // self.num_pages * self.k.dtype.itemsize
         return 2 * per
 
+    def heads_shape(self, n_pages: int) -> tuple[int, ...]:
+        """Host-side shape of n_pages pages: [L, n_pages, page_size, Hkv, D]."""
+        return (self.num_layers, n_pages, self.page_size, self.num_kv_heads, self.head_dim)
+
     def write_pages(self, pages: np.ndarray, k_new: np.ndarray, v_new: np.ndarray) -> None:
         """Writes whole pages (imported KV): k_new/v_new [L, len(pages), page_size, Hkv, D]."""
         pages = np.asarray(pages, np.int32)
+        rows = (*k_new.shape[:3], -1)  # the pool's [.., Hkv * D] rows: a free host reshape
+        dt = self.k.dtype
+        k_new = np.asarray(k_new, dt).reshape(rows)
+        v_new = np.asarray(v_new, dt).reshape(rows)
         for s, n in pow2_pieces(len(pages)):
-            self.k, self.v = _write_pages(
-                self.k, self.v, jnp.asarray(pages[s : s + n]), k_new[:, s : s + n],
-                v_new[:, s : s + n],
+            self.k, self.v = self.programs_run.call(
+                "kv_write", (n,), _write_pages, self.k, self.v, pages[s : s + n],
+                k_new[:, s : s + n], v_new[:, s : s + n],
             )  # fmt: skip
 
     def read_pages(self, pages) -> list[tuple[int, jax.Array, jax.Array]]:
-        """K, V of `pages` as (offset, k, v) pieces, each [L, n, page_size, Hkv, D] on device;
-        offsets index into `pages`."""
+        """K, V of `pages` as (offset, k, v) pieces, each [L, n, page_size, Hkv * D] on device
+        (the pool's layout: `heads_shape` splits the heads on the host); offsets index into
+        `pages`."""
         pages = np.asarray(pages, np.int32)
         return [
-            (s, *_read_pages(self.k, self.v, jnp.asarray(pages[s : s + n])))
+            (
+                s,
+                *self.programs_run.call(
+                    "kv_read", (n,), _read_pages, self.k, self.v, pages[s : s + n]
+                ),
+            )
             for s, n in pow2_pieces(len(pages))
         ]
+
+    def page_programs(self, max_pages: int, read: bool, write: bool) -> list[Program]:
+        """The page read/write programs for any count up to max_pages (power-of-two pieces)."""
+        k, v = abstract(self.k), abstract(self.v)
+        out = []
+        n = 1
+        while n <= max_pages:
+            idx = jax.ShapeDtypeStruct((n,), np.int32)
+            if write:
+                rows = jax.ShapeDtypeStruct((self.num_layers, n, *self.k.shape[2:]), self.k.dtype)
+                out.append(Program("kv_write", (n,), _write_pages, (k, v, idx, rows, rows)))
+            if read:
+                out.append(Program("kv_read", (n,), _read_pages, (k, v, idx)))
+            n *= 2
+        return out
 
     @classmethod
     def for_budget(

@@ -167,7 +167,11 @@ def pack_dense_mlp(cfg: LlamaConfig, src: TensorSource, i: int) -> dict[str, np.
 
 
 def finish_params(
-    cfg: LlamaConfig, src: TensorSource, layers: list[dict[str, np.ndarray]], dtype: Any
+    cfg: LlamaConfig,
+    src: TensorSource,
+    layers: list[dict[str, np.ndarray]],
+    dtype: Any,
+    on_device: bool = True,
 ) -> dict[str, Any]:
     """Adds embedding, final norm, lm_head and RoPE tables; moves everything to device.
 
@@ -190,29 +194,80 @@ def finish_params(
     src.check_all_used()
     inv_freq, rope_scale = cfg.rope.inv_freq()
 
-    def dev(a: np.ndarray):
+    # on_device=False keeps every array on the host, already in its serving dtype: a runner
+    # that repacks the weights (the megakernel's rings) then puts only its own copy on device.
+    put = jnp.asarray if on_device else np.asarray
+
+    def dev(a: np.ndarray, dt: Any = None):
         # Norm weights and biases stay float32; matrices take the serving dtype.
-        return jnp.asarray(a, jnp.float32 if a.ndim == 1 else dtype)
+        return put(a, dt or (jnp.float32 if a.ndim == 1 else dtype))
 
     return {
-        "embed": jnp.asarray(embed, dtype),
-        "lm_head": jnp.asarray(np.ascontiguousarray(lm_head.T), dtype),
-        "final_norm": jnp.asarray(final_norm, jnp.float32),
-        "inv_freq": jnp.asarray(inv_freq),
-        "rope_scale": jnp.float32(rope_scale),
+        "embed": dev(embed, dtype),
+        "lm_head": dev(np.ascontiguousarray(lm_head.T), dtype),
+        "final_norm": dev(final_norm, jnp.float32),
+        "inv_freq": dev(inv_freq, jnp.float32),
+        "rope_scale": jnp.float32(rope_scale) if on_device else np.float32(rope_scale),
         "layers": [{k: dev(np.ascontiguousarray(v)) for k, v in lp.items()} for lp in layers],
     }
 
 
 def pack_params(
-    cfg: LlamaConfig, tensors: dict[str, np.ndarray], dtype: Any = jnp.float32
+    cfg: LlamaConfig, tensors: dict[str, np.ndarray], dtype: Any = jnp.float32, on_device=True
 ) -> dict[str, Any]:
-    """HF tensors -> the per-layer layout `forward` reads."""
+    """HF tensors -> the per-layer layout `forward` reads (on the host when not on_device)."""
     src = TensorSource(tensors)
     layers = [
         pack_attention(cfg, src, i) | pack_dense_mlp(cfg, src, i) for i in range(cfg.num_layers)
     ]
-    return finish_params(cfg, src, layers, dtype)
+    return finish_params(cfg, src, layers, dtype, on_device)
+
+
+def abstract_attention(cfg: LlamaConfig, dtype: Any) -> dict[str, jax.ShapeDtypeStruct]:
+    """Shapes of `pack_attention`'s output on device (matrices in dtype, vectors f32)."""
+    d, q, kv, f32 = cfg.hidden_size, cfg.q_size, cfg.kv_size, jnp.float32
+    out = {
+        "wqkv": jax.ShapeDtypeStruct((d, q + 2 * kv), dtype),
+        "wo": jax.ShapeDtypeStruct((q, d), dtype),
+        "ln_attn": jax.ShapeDtypeStruct((d,), f32),
+        "ln_mlp": jax.ShapeDtypeStruct((d,), f32),
+    }
+    if cfg.qkv_bias:
+        out["bqkv"] = jax.ShapeDtypeStruct((q + 2 * kv,), f32)
+    if cfg.o_bias:
+        out["bo"] = jax.ShapeDtypeStruct((d,), f32)
+    if cfg.qk_norm:
+        out["q_norm"] = jax.ShapeDtypeStruct((cfg.head_dim,), f32)
+        out["k_norm"] = jax.ShapeDtypeStruct((cfg.head_dim,), f32)
+    return out
+
+
+def abstract_dense_mlp(cfg: LlamaConfig, dtype: Any) -> dict[str, jax.ShapeDtypeStruct]:
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    return {
+        "w_gate_up": jax.ShapeDtypeStruct((d, 2 * f), dtype),
+        "w_down": jax.ShapeDtypeStruct((f, d), dtype),
+    }
+
+
+def abstract_model(cfg: LlamaConfig, layers: list[dict], dtype: Any) -> dict[str, Any]:
+    """`finish_params`'s output as ShapeDtypeStructs around the given abstract layers."""
+    d, v, f32 = cfg.hidden_size, cfg.vocab_size, jnp.float32
+    return {
+        "embed": jax.ShapeDtypeStruct((v, d), dtype),
+        "lm_head": jax.ShapeDtypeStruct((d, v), dtype),
+        "final_norm": jax.ShapeDtypeStruct((d,), f32),
+        "inv_freq": jax.ShapeDtypeStruct((cfg.head_dim // 2,), f32),
+        "rope_scale": jax.ShapeDtypeStruct((), f32),
+        "layers": layers,
+    }
+
+
+def abstract_params(cfg: LlamaConfig, dtype: Any = jnp.float32) -> dict[str, Any]:
+    """`pack_params`'s output as ShapeDtypeStructs, without weights: for compiling a
+    worker's programs at real shapes (`megaserve kernels compile-worker`)."""
+    layers = [abstract_attention(cfg, dtype) | abstract_dense_mlp(cfg, dtype)] * cfg.num_layers
+    return abstract_model(cfg, [dict(lp) for lp in layers], dtype)
 
 
 def rms_norm(x: jnp.ndarray, w: jnp.ndarray, eps: float) -> jnp.ndarray:
@@ -277,7 +332,7 @@ def forward(
       params: output of `pack_params`.
       tokens: i32[B, T] new token ids (anything for padding).
       positions: i32[B, T] absolute positions of those tokens; -1 marks padding.
-      k_cache, v_cache: [L, num_pages, page_size, Hkv, D] pools (donate them under jit).
+      k_cache, v_cache: [L, num_pages, page_size, Hkv * D] pools (donate them under jit).
       page_table: i32[B, P] pages of each sequence; pad with the null page 0.
       logits_index: i32[B] which of the T positions to project to logits.
       mlp: (cfg, layer_params, x) -> f32[B, T, D]; families with other MLPs (MoE) pass theirs.

@@ -19,9 +19,9 @@ def write_kv(
     """Scatters new K or V rows into their pages.
 
     Args:
-      cache: f32[L, num_pages, page_size, Hkv, D] the pool (donated by callers).
+      cache: f32[L, num_pages, page_size, Hkv * D] the pool (donated by callers).
       layer: scalar layer index.
-      new: f32[B, T, Hkv, D] rows for the new tokens.
+      new: f32[B, T, Hkv, D] rows for the new tokens (written as [Hkv * D] pool rows).
       positions: i32[B, T] absolute positions; -1 marks padding (written to the null page).
       page_table: i32[B, P] page ids of each sequence.
     Returns:
@@ -36,7 +36,7 @@ def write_kv(
     # Every index is in range by construction (padding goes to the null page), so skip the
     # out-of-bounds handling XLA would otherwise emit around the scatter.
     return cache.at[layer, page.reshape(-1), slot.reshape(-1)].set(
-        new.reshape(-1, *new.shape[2:]).astype(cache.dtype), mode="promise_in_bounds"
+        new.reshape(-1, cache.shape[-1]).astype(cache.dtype), mode="promise_in_bounds"
     )
 
 
@@ -52,7 +52,8 @@ def paged_attention(
 
     Args:
       q: f32[B, T, Hq, D] queries (already rotated).
-      k_layer, v_layer: f32[num_pages, page_size, Hkv, D] one layer of the pool, new rows written.
+      k_layer, v_layer: f32[num_pages, page_size, Hkv * D] one layer of the pool, new rows
+        written; heads are split on the gathered pages, not on the pool.
       positions: i32[B, T] absolute query positions; -1 marks padding.
       page_table: i32[B, P]; a query at position p sees keys 0..p of its sequence.
       scale: softmax scale (1/sqrt(D) for these families).
@@ -60,7 +61,7 @@ def paged_attention(
       f32[B, T, Hq, D].
     """
     b, t, hq, d = q.shape
-    hkv = k_layer.shape[2]
+    hkv = k_layer.shape[-1] // d
     group = hq // hkv
     # mode="clip": page ids are in range by construction; the default fill mode's bounds
     # handling made this gather ~2x slower on XLA:CPU.

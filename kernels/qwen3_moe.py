@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -93,7 +94,7 @@ def _pack_experts(cfg: Qwen3MoeConfig, src: TensorSource, i: int) -> dict[str, n
 
 
 def pack_params(
-    cfg: Qwen3MoeConfig, tensors: dict[str, np.ndarray], dtype: Any = jnp.float32
+    cfg: Qwen3MoeConfig, tensors: dict[str, np.ndarray], dtype: Any = jnp.float32, on_device=True
 ) -> dict[str, Any]:
     src = TensorSource(tensors)
     layers = []
@@ -102,7 +103,23 @@ def pack_params(
             _pack_experts(cfg, src, i) if i in cfg.moe_layers else llama.pack_dense_mlp(cfg, src, i)
         )
         layers.append(llama.pack_attention(cfg, src, i) | mlp)
-    return llama.finish_params(cfg, src, layers, dtype)
+    return llama.finish_params(cfg, src, layers, dtype, on_device)
+
+
+def abstract_params(cfg: Qwen3MoeConfig, dtype: Any = jnp.float32) -> dict[str, Any]:
+    """`pack_params`'s output as ShapeDtypeStructs (see `llama.abstract_params`)."""
+    d, f, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    experts = {
+        "router": jax.ShapeDtypeStruct((d, e), dtype),
+        "w_gate_up": jax.ShapeDtypeStruct((e, d, 2 * f), dtype),
+        "w_down": jax.ShapeDtypeStruct((e, f, d), dtype),
+    }
+    layers = [
+        llama.abstract_attention(cfg, dtype)
+        | (experts if i in cfg.moe_layers else llama.abstract_dense_mlp(cfg, dtype))
+        for i in range(cfg.num_layers)
+    ]
+    return llama.abstract_model(cfg, layers, dtype)
 
 
 def moe_mlp(cfg: Qwen3MoeConfig, lp: dict, x: jnp.ndarray) -> jnp.ndarray:

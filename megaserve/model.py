@@ -39,11 +39,15 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
 
     @classmethod
-    def from_checkpoint(cls, ck: Checkpoint, dtype: Any = jnp.float32) -> LoadedModel:
+    def from_checkpoint(
+        cls, ck: Checkpoint, dtype: Any = jnp.float32, on_device: bool = True
+    ) -> LoadedModel:
+        """on_device=False keeps the packed params on the host (in dtype): for a runner that
+        repacks them into its own layout, so the device holds only that copy."""
         try:
             family, config_cls = family_for(ck.config.get("model_type"))
             cfg = config_cls.from_hf(ck.config)
-            params = family.pack_params(cfg, ck.tensors, dtype)
+            params = family.pack_params(cfg, ck.tensors, dtype, on_device)
         except CheckpointError:
             raise
         except (ValueError, KeyError) as e:
@@ -55,5 +59,24 @@ class LoadedModel:
         return cls(ck.source, family, cfg, params, ck.tokenizer, eos)
 
     @classmethod
-    def load(cls, spec: str, dtype: Any = jnp.float32, progress: bool = True) -> LoadedModel:
-        return cls.from_checkpoint(load_checkpoint(spec, progress=progress), dtype)
+    def load(
+        cls, spec: str, dtype: Any = jnp.float32, progress: bool = True, on_device: bool = True
+    ) -> LoadedModel:
+        return cls.from_checkpoint(load_checkpoint(spec, progress=progress), dtype, on_device)
+
+    @classmethod
+    def load_for(
+        cls, spec: str, dtype: Any, backend: str, page_size: int, progress: bool = False
+    ) -> LoadedModel:
+        """Loads for a worker whose decode backend is `backend` (auto/pallas/xla): on the
+        host when that resolves to the megakernel, which packs its own device copy."""
+        from megaserve.runner.factory import choose_backend
+
+        ck = load_checkpoint(spec, progress=progress)
+        try:
+            _, config_cls = family_for(ck.config.get("model_type"))
+            cfg = config_cls.from_hf(ck.config)
+        except (ValueError, KeyError):
+            return cls.from_checkpoint(ck, dtype)  # which reports the config error
+        on_device = choose_backend(cfg, page_size, backend)[0] != "pallas"
+        return cls.from_checkpoint(ck, dtype, on_device)

@@ -90,8 +90,9 @@ def _dtype(name: str):
 class SamplingArrays:
     """Per-row sampling parameters as host arrays, one column per SamplingParams field.
 
-    `counts`/`seen` are only built when some row uses a penalty: the programs then take the
-    penalized variant (a separate executable), so unpenalized batches pay nothing.
+    `counts`/`seen` are only built when some row uses a penalty: the runner then applies
+    them in a separate small `pick` program on the step's logits, so unpenalized batches
+    pay nothing and the decode/prefill program sets do not double.
     """
 
     columns: dict[str, np.ndarray]  # field name -> [B] array (f32, top_k i32, seed u32)
@@ -124,6 +125,25 @@ class SamplingArrays:
                 np.add.at(counts[i], np.asarray(output, np.int64), 1)
                 seen[i, np.asarray(prompt + output, np.int64)] = True
         return cls(cols, counts=counts, seen=seen)
+
+    def without_counts(self) -> SamplingArrays:
+        """The same rows with no penalty state (what the decode/prefill programs take)."""
+        return SamplingArrays(self.columns)
+
+    def with_zero_counts(self, vocab: int) -> SamplingArrays:
+        """The same rows with empty penalty state: the shapes of a penalized call."""
+        counts = np.zeros((self.rows, vocab), np.int32)
+        return SamplingArrays(self.columns, counts, np.zeros((self.rows, vocab), bool))
+
+    def counted(self, tokens: np.ndarray) -> SamplingArrays:
+        """Penalty state after each row emitted tokens[row] (i32[rows])."""
+        if self.counts is None:
+            return self
+        rows, tokens = np.arange(self.rows), np.asarray(tokens)[: self.rows]
+        counts, seen = self.counts.copy(), self.seen.copy()
+        counts[rows, tokens] += 1
+        seen[rows, tokens] = True
+        return SamplingArrays(self.columns, counts, seen)
 
     def padded(self, b: int) -> dict[str, np.ndarray]:
         """The columns padded to b rows with default (greedy, unpenalized) rows."""

@@ -17,13 +17,26 @@ def add_common_arguments(p, max_context: int) -> None:
         f"{SENTINEL_FORM} (follows failovers)",
     )
     p.add_argument("--metrics-port", type=int, help="Prometheus /metrics on this port")
-    p.add_argument("--kv-budget-mb", type=int, default=256)
+    p.add_argument(
+        "--kv-budget-mb",
+        type=positive_int,
+        default=None,
+        help="KV pool size; default: what the device has left after weights, a 5%% margin "
+        "and the program-temp allowance (on CPU: 256)",
+    )
     p.add_argument(
         "--heartbeat-s", type=float, default=0.5, help="how often load and blocks go to Redis"
     )
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-context", type=int, default=max_context)
     add_dtype_argument(p)
+    p.add_argument(
+        "--warm-up",
+        choices=("all", "none"),
+        default="all",
+        help="all: compile (or load from the persistent compilation cache) every program the "
+        "worker can run before it reports SERVING; none: compile each shape on first use",
+    )
     p.add_argument(
         "--served-model-name", help="the name routers know this model by (default: see model_name)"
     )
@@ -35,6 +48,18 @@ def add_common_arguments(p, max_context: int) -> None:
     from megaserve.security import add_tls_arguments
 
     add_tls_arguments(p)
+
+
+def positive_int(text: str) -> int:
+    import argparse
+
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return n
 
 
 def add_dtype_argument(p) -> None:

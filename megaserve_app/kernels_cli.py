@@ -1,4 +1,5 @@
-"""`megaserve kernels compile`: AOT-compile the decode megakernel for a TPU target on any host."""
+"""`megaserve kernels compile` (the decode megakernel) and `compile-worker` (a worker's whole
+program set): AOT compilation for a TPU target on any host."""
 
 from __future__ import annotations
 
@@ -33,6 +34,70 @@ def add_kernels(sub) -> None:
     )
     c.add_argument("--json", action="store_true", help="print one JSON object")
     c.set_defaults(func=cmd_compile)
+    add_compile_worker(ksub)
+
+
+def add_compile_worker(ksub) -> None:
+    w = ksub.add_parser(
+        "compile-worker",
+        help="compile every program a decode or prefill worker runs, for a TPU target, "
+        "with each program's memory, re-layouts and the per-device memory plan",
+    )
+    w.add_argument("--config", required=True, help="HF-style config.json of the model")
+    w.add_argument("--target", default="tpu7x", help="TPU target (tpu7x = TPU v7)")
+    w.add_argument("--role", choices=("decode", "prefill"), required=True)
+    w.add_argument("--max-running", type=int, default=64, help="decode batch (decode role)")
+    w.add_argument("--max-batch", type=int, default=8, help="prompts per prefill call")
+    w.add_argument("--prefill-chunk", type=int, default=256)
+    w.add_argument("--max-context", type=int, default=8192)
+    w.add_argument("--page-size", type=int, default=16)
+    w.add_argument(
+        "--kv-budget-mb",
+        type=int,
+        default=None,
+        help="KV pool size (default: what the device has left after weights and margins)",
+    )
+    w.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
+    w.add_argument("--backend", choices=("auto", "pallas", "xla"), default="auto")
+    w.add_argument("--json", action="store_true", help="print one JSON object")
+    w.set_defaults(func=cmd_compile_worker)
+
+
+def cmd_compile_worker(a: argparse.Namespace) -> int:
+    """Exit 0 when every program compiled, 1 (with the compiler's messages) when one did not,
+    2 on a bad request."""
+    from megaserve_app.compile_worker import WorkerTarget, compile_worker
+
+    t = WorkerTarget(
+        config_path=a.config, target=a.target, role=a.role, max_running=a.max_running,
+        max_batch=a.max_batch, prefill_chunk=a.prefill_chunk, max_context=a.max_context,
+        page_size=a.page_size, kv_budget_mb=a.kv_budget_mb, dtype=a.dtype, backend=a.backend,
+    )  # fmt: skip
+    try:
+        res = compile_worker(t)
+    except ValueError as e:
+        print(f"megaserve kernels compile-worker: error: {e}", file=sys.stderr)
+        return 2
+    if a.json:
+        print(json.dumps(res))
+    else:
+        mem = res["hbm_per_device"]
+        for r in res["programs"]:
+            print(
+                f"{r['name']}{r['key']}: compiled={r['compiled']} temp={r.get('hbm_temp_bytes')} "
+                f"relayouts={r['relayout_ops']} {r['compile_s']} s"
+            )
+        print(
+            f"{res['role']} {res['backend']}: {res['program_count']} programs, "
+            f"all_compiled={res['all_compiled']} relayout_ops={res['relayout_ops_total']} "
+            f"weights={mem['weights'] / 1e9:.2f} GB pool={mem['kv_pool'] / 1e9:.2f} GB "
+            f"temp_max={mem['temp_max'] / 1e9:.3f} GB of {mem['capacity'] / 1e9:.0f} GB "
+            f"fits={res['fits']} in {res['compile_s']} s"
+        )
+    for r in res["programs"]:
+        if not r["compiled"]:
+            print(f"{r['name']}{r['key']}: {r['error']}", file=sys.stderr)
+    return 0 if res["all_compiled"] else 1
 
 
 def cmd_compile(a: argparse.Namespace) -> int:

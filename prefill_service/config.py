@@ -6,8 +6,27 @@ import uuid
 from dataclasses import dataclass, field
 
 from megaserve.security import TLSConfig
-from megaserve.worker_args import add_common_arguments, advertised_address, served_model_name
+from megaserve.worker_args import (
+    add_backend_argument,
+    add_common_arguments,
+    advertised_address,
+    served_model_name,
+)
 from prefill_service.engine import PrefillConfig
+
+
+def prefill_backend(requested: str) -> tuple[str, str]:
+    """(backend, why) of the prefill programs for a --backend value: XLA on every backend
+    today (the megakernel is a decode step); `pallas` is refused until a Pallas prefill
+    kernel exists (ragged paged attention)."""
+    from megaserve.errors import BackendError
+
+    if requested == "pallas":
+        raise BackendError(
+            "--backend pallas: the prefill tier has no Pallas kernel yet (its programs are "
+            "XLA); use auto or xla"
+        )
+    return "xla", "requested" if requested == "xla" else "auto: prefill programs are XLA"
 
 
 @dataclass(frozen=True)
@@ -27,6 +46,7 @@ class WorkerConfig:
     model_name: str = ""  # advertised model name ("" = the checkpoint source)
     advertise_host: str = ""  # host peers dial ("" = host)
     tls: TLSConfig | None = None  # serve TLS; KV pushes to decode workers present this cert
+    warm_up: bool = True  # --warm-up all: every program compiled before SERVING
 
 
 def add_arguments(p) -> None:
@@ -38,10 +58,13 @@ def add_arguments(p) -> None:
         default=PrefillConfig.max_queued,
         help="prompts waiting for a batch row; beyond it RESOURCE_EXHAUSTED + retry-after-ms",
     )
+    add_backend_argument(p)
 
 
 def config_from_args(a) -> WorkerConfig:
-    """TLSConfigError for unreadable TLS files (checked before any model loads)."""
+    """TLSConfigError for unreadable TLS files and BackendError for --backend pallas (both
+    checked before any model loads)."""
+    prefill_backend(a.backend)
     return WorkerConfig(
         checkpoint=a.checkpoint,
         dtype=a.dtype,
@@ -54,9 +77,10 @@ def config_from_args(a) -> WorkerConfig:
         model_name=served_model_name(a),
         advertise_host=advertised_address(a, 0).rsplit(":", 1)[0],
         tls=TLSConfig.from_args(a),
+        warm_up=a.warm_up == "all",
         engine=PrefillConfig(
             page_size=a.page_size,
-            kv_budget_bytes=a.kv_budget_mb * 2**20,
+            kv_budget_bytes=None if a.kv_budget_mb is None else a.kv_budget_mb * 2**20,
             max_context=a.max_context,
             chunk=a.prefill_chunk,
             max_queued=a.max_queued,

@@ -13,21 +13,25 @@ from concurrent.futures import CancelledError, Future, InvalidStateError
 from dataclasses import dataclass, field
 
 from kernels.kv_cache import KVPool
+from kernels.programs import Program
 from megaserve.errors import NoCapacity, RequestError, check_prompt_ids
 from megaserve.kv.allocator import PageAllocator
 from megaserve.kv.block_hash import block_hashes
 from megaserve.kv.pages import claim_pages, pages_for_tokens
+from megaserve.memory_plan import start_plan, tree_bytes
 from megaserve.model import LoadedModel
+from megaserve.runner.base import Runner
 from megaserve.runner.batch import TokenBatch
 from megaserve.runner.buckets import StepConfig
 from megaserve.runner.factory import make_runner
+from megaserve.runner.warm import warm_up
 from megaserve.sampling_params import SamplingArrays, SamplingParams
 
 
 @dataclass(frozen=True)
 class PrefillConfig:
     page_size: int = 16
-    kv_budget_bytes: int = 256 * 2**20
+    kv_budget_bytes: int | None = 256 * 2**20  # None: what the device has left
     max_context: int = 4096
     chunk: int = 256  # tokens per row per prefill program; pages are sent after each chunk
     max_batch: int = 8  # prompts sharing one prefill program
@@ -66,19 +70,41 @@ class _Job:
     started: float = 0.0
 
 
+def step_config(cfg: PrefillConfig, max_pages: int) -> StepConfig:
+    """The prefill tier's buckets: up to max_batch prompts per call, chunk tokens each."""
+    return StepConfig.for_limits(cfg.max_batch, cfg.chunk, max_pages)
+
+
+def engine_programs(runner: Runner, pool: KVPool, max_pages: int) -> list[Program]:
+    """Every program a prefill engine can run: prefill chunks, penalized picks, page reads."""
+    ours = [p for p in runner.programs() if p.name in ("prefill", "pick")]
+    return ours + pool.page_programs(max_pages, read=True, write=False)
+
+
 class PrefillEngine:
     """A thread that batches queued prompts: each iteration runs one chunk of every active
     prompt in one program, then hands each prompt the pages that chunk completed."""
 
+    def programs(self) -> list[Program]:
+        return engine_programs(self.runner, self.pool, self.max_pages)
+
+    def warm_up(self) -> tuple[int, float]:
+        """Compiles, or loads from the persistent compilation cache, every program."""
+        self.memory, n, secs = warm_up(self.runner, self.pool, self.programs(), self.memory)
+        return n, secs
+
     def __init__(self, model: LoadedModel, cfg: PrefillConfig = PrefillConfig()):
         self.model, self.cfg = model, cfg
         mc = model.cfg
+        # Checked before the pool is allocated (exit 2 naming the terms when it cannot fit),
+        # and again after warm-up with every weight copy and the largest program temp.
+        self.memory = start_plan(tree_bytes(model.params), cfg.kv_budget_bytes)
         self.pool = KVPool.for_budget(
             mc.num_layers,
             cfg.page_size,
             mc.num_kv_heads,
             mc.head_dim,
-            cfg.kv_budget_bytes,
+            self.memory.kv_pool,
             model.params["embed"].dtype,
         )
         self.alloc = PageAllocator(self.pool.num_pages, cfg.page_size)
@@ -88,7 +114,7 @@ class PrefillEngine:
             mc,
             model.params,
             self.pool,
-            StepConfig.for_limits(cfg.max_batch, cfg.chunk, self.max_pages),
+            step_config(cfg, self.max_pages),
             backend="xla",  # prefill programs are XLA on every backend today
         )
         self._queue: queue.Queue[_Job] = queue.Queue()
@@ -231,7 +257,9 @@ class PrefillEngine:
             try:
                 if complete > job.sent:
                     for off, k, v in self.pool.read_pages(job.pages[job.sent : complete]):
-                        job.on_pages(job.sent + off, k, v)
+                        # Heads split on the read piece, never on the pool (wire layout).
+                        shape = self.pool.heads_shape(k.shape[1])
+                        job.on_pages(job.sent + off, k.reshape(shape), v.reshape(shape))
                     job.sent = complete
             except Exception as e:
                 self._fail(job, e)

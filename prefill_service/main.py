@@ -7,12 +7,14 @@ import sys
 
 import structlog
 
+from megaserve.errors import BackendError
 from megaserve.grpc_server import serve_until_signal
+from megaserve.memory_plan import MemoryPlanError
 from megaserve.model import LoadedModel, serving_dtype
 from megaserve.registration import Heartbeat
 from megaserve.security import TLSConfigError
 from megaserve.state_keys import WorkerInfo
-from prefill_service.config import WorkerConfig, add_arguments, config_from_args
+from prefill_service.config import WorkerConfig, add_arguments, config_from_args, prefill_backend
 from prefill_service.engine import PrefillEngine
 from prefill_service.server import create_server
 
@@ -23,6 +25,8 @@ log = structlog.get_logger("megaserve.prefill")
 async def serve(cfg: WorkerConfig) -> None:
     model = LoadedModel.load(cfg.checkpoint, serving_dtype(cfg.dtype), progress=False)
     engine = PrefillEngine(model, cfg.engine)
+    if cfg.warm_up:  # before the health service exists: nothing reports SERVING meanwhile
+        await asyncio.to_thread(engine.warm_up)
     server, port, health, servicer = await create_server(engine, f"{cfg.host}:{cfg.port}", cfg.tls)
     address = f"{cfg.advertise_host or cfg.host}:{port}"
     metrics_port = (
@@ -68,8 +72,13 @@ def main(a) -> int:
     configure()
     try:
         cfg = config_from_args(a)  # before the model loads: a bad TLS file fails at once
-    except TLSConfigError as e:
+        log.info("backend", backend="xla", why=prefill_backend(a.backend)[1])
+    except (TLSConfigError, BackendError) as e:
         print(f"megaserve prefill-worker: error: {e}", file=sys.stderr, flush=True)
         return 2
-    asyncio.run(serve(cfg))
+    try:
+        asyncio.run(serve(cfg))
+    except MemoryPlanError as e:  # weights + pool + program temps exceed the device
+        print(f"megaserve prefill-worker: error: {e}", file=sys.stderr, flush=True)
+        return 2
     return 0

@@ -67,12 +67,26 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     [
         (("decode-worker", "--backend", "tpu"), "argument --backend: invalid choice: 'tpu'"),
         (("prefill-worker", "--dtype", "fp8"), "argument --dtype: invalid choice: 'fp8'"),
+        (("prefill-worker", "--backend", "tpu"), "argument --backend: invalid choice: 'tpu'"),
+        (("prefill-worker", "--backend", "pallas"), "the prefill tier has no Pallas kernel yet"),
+        (("decode-worker", "--kv-budget-mb", "0"), "argument --kv-budget-mb: '0' is not a po"),
+        (("decode-worker", "--warm-up", "some"), "argument --warm-up: invalid choice: 'some'"),
         (("generate", "--prompt", "x", "--dtype", "f16"), "argument --dtype: invalid choice"),
     ],
 )
 def test_bad_flag_values_exit_2_naming_the_flag(args, needle):
     r = _cli(*args)
     assert r.returncode == 2 and needle in r.stderr, r.stderr
+
+
+def test_a_memory_plan_that_does_not_fit_exits_2_naming_each_term():
+    ck = str(FIXTURES / "tiny" / "llama_gqa2")
+    for role in ("decode-worker", "prefill-worker"):
+        r = _cli(role, "--checkpoint", ck, "--kv-budget-mb", str(10**9))  # a petabyte
+        assert r.returncode == 2, r.stderr[-2000:]
+        for term in ("memory plan does not fit: weights", "KV pool 1048576.000 GB", "margin"):
+            assert term in r.stderr, r.stderr[-2000:]
+        assert "device capacity" in r.stderr
 
 
 def test_pallas_on_a_config_it_cannot_take_exits_2_naming_why():
@@ -97,7 +111,7 @@ MAX_RUNNING, PLAN_ROWS = 64, 4
 def narrow_worker(tiny_model):
     """The megakernel (interpreted) with a VMEM budget that plans 4 rows, asked for 64."""
     cfg, pages = tiny_model.cfg, 4
-    kw = {"kv_dtype": jnp.float32}  # the pool's
+    kw = {"kv_dtype": jnp.float32, "weight_dtype": jnp.float32}  # the pool and rings: f32
     budget = make_plan(cfg, PLAN_ROWS, 16, pages, **kw).vmem_bytes()
     assert make_plan(cfg, PLAN_ROWS * 2, 16, pages, **kw).vmem_bytes() > budget
     engine = DecodeEngine(

@@ -104,3 +104,22 @@ def test_full_queue_is_refused_and_nothing_leaks(tiny_model):
         engine.run_once()
     engine.alloc.check_invariants()
     assert engine.alloc.all_free_or_cached()
+
+
+def test_warm_up_compiles_every_program_the_engine_then_runs(tiny_model):
+    """After warm_up, a mixed workload (sampled, penalized, greedy; batches and contexts of
+    every size the buckets allow) and imported KV compile nothing more."""
+    engine = DecodeEngine(
+        tiny_model,
+        EngineConfig(max_context=128, scheduler=SchedulerConfig(max_running=8, prefill_chunk=32)),
+    )
+    n, _ = engine.warm_up()
+    programs = engine.programs()
+    assert n == len(programs) == len({(p.name, p.key) for p in programs})
+    assert engine.memory.temp_max > 0 and engine.memory.fits
+    _run(engine, _requests(24, tiny_model.cfg.vocab_size))
+    pool = engine.pool
+    k = np.zeros(pool.heads_shape(5), np.float32)
+    pool.write_pages(np.arange(1, 6, dtype=np.int32), k, k)
+    assert engine.runner.programs_run.late_compiles == 0
+    assert pool.programs_run.late_compiles == 0

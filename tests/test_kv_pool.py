@@ -35,7 +35,9 @@ def test_write_then_read_any_count_round_trips_and_compiles_few_shapes():
     for part in (pages[:45], pages[45:]):
         for off, k, v in pool.read_pages(part):
             for i in range(k.shape[1]):
-                flat.append((part[off + i], np.asarray(k[:, i]), np.asarray(v[:, i])))
+                heads = (2, 4, 2, 8)  # the pool stores [.., Hkv * D] rows: the same bytes
+                k_i, v_i = (np.asarray(a[:, i]).reshape(heads) for a in (k, v))
+                flat.append((part[off + i], k_i, v_i))
     assert len(flat) == len(written)
     for p, k, v in flat:
         np.testing.assert_array_equal(k, written[p][0])

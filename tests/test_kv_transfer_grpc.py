@@ -48,7 +48,16 @@ async def _reserve_push_generate(addr, rid, prompt, first, k, v, n_new, mutate=N
         msgs = list(push_messages(rid, first, c, k[:, c:], v[:, c:], max_chunk_bytes=4096))
         if mutate:
             msgs = mutate(msgs)
-        push = await kv_transfer_pb2_grpc.KVTransferStub(ch).Push(iter(msgs))
+        # Explicit writes, as the prefill worker sends: a receiver that refuses mid-stream
+        # then reports its own status (a request iterator can end with a generic INTERNAL).
+        call = kv_transfer_pb2_grpc.KVTransferStub(ch).Push()
+        try:
+            for msg in msgs:
+                await call.write(msg)
+            await call.done_writing()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            pass  # the status comes from awaiting the call
+        push = await call
         toks = [t async for r in dec.Generate(_req(rid, prompt, n_new)) for t in r.token_ids]
         return res, push, toks
 

@@ -28,7 +28,7 @@ def mini(request):
 
 def _pool(cfg, n_pages, seed=0):
     rng = np.random.default_rng(seed)
-    shape = (cfg.num_layers, n_pages, PS, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, n_pages, PS, cfg.num_kv_heads * cfg.head_dim)  # KVPool layout
     k = jnp.asarray(rng.standard_normal(shape) * 0.5, jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal(shape) * 0.5, jnp.bfloat16)
     return k, v

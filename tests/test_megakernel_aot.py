@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kernels.megakernel.aot import CompileRequest, compile_megakernel
+from kernels.megakernel.aot import CompileRequest, compile_megakernel, load_config
+from kernels.megakernel.fit import compile_fitting, is_vmem_oom, scoped_vmem
 
 # Every test here needs libtpu: skipped without it, failed under CI=true (conftest).
 pytestmark = pytest.mark.usefixtures("libtpu")
@@ -18,6 +19,12 @@ pytestmark = pytest.mark.usefixtures("libtpu")
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs" / "models"
 MIB = 2**20
+
+
+@pytest.fixture(autouse=True)
+def _verdict_cache(tmp_path, monkeypatch):
+    """compile_fitting's verdict file goes to the test's tmp dir (the CLI inherits it)."""
+    monkeypatch.setenv("MEGASERVE_CACHE_DIR", str(tmp_path / "cache"))
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -55,6 +62,57 @@ def test_real_shapes_compile_within_vmem_near_floor(name, batch):
     assert res["relayout_copies"] == []
     if batch == 1:
         assert res["hbm_bytes_per_step"] <= 1.10 * res["floor_bytes_per_step"], res
+
+
+@pytest.mark.tpu_compile
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("batch", [32, 64])
+def test_large_batches_compile_at_8k_context(name, batch):
+    """Batch 32/64 at 8192 tokens per row: logits leave VMEM by DMA, so the plan fits.
+
+    Qwen3-30B-A3B's weights (61 GB) plus a pool of 64 full rows (51.5 GB) exceed one tpu7x
+    TensorCore's 94.7 GB HBM (CompileTimeHbmOom), so that case gets a half-size pool: the
+    kernel (page table, read items, VMEM) is the same.
+    """
+    pool = 64 * 512 // 2 + 1 if (name, batch) == ("qwen3-30b-a3b", 64) else None
+    req = CompileRequest(str(CONFIGS / f"{name}.json"), "tpu7x", batch, 8192, pool_pages=pool)
+    res = compile_megakernel(req)
+    assert res["compiled"], res.get("error")
+    assert res["vmem_bytes"] < 64 * MIB
+    assert res["relayout_copies"] == []
+    assert res["dma_bytes"]["logits"] > 0  # the logits tiles are the kernel's DMAs now
+
+
+def test_vmem_oom_messages_are_recognised():
+    msg = (
+        "RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom: ... Scoped allocation with "
+        "size 2.07M and limit 1.00M exceeded scoped vmem limit by 1.07M."
+    )
+    assert is_vmem_oom(msg)
+    assert is_vmem_oom("INTERNAL: Mosaic: would exceed memory (size=67108864)")
+    assert not is_vmem_oom("E2003: cannot statically prove that index is a multiple of 8")
+    hbm = "RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, ..."
+    assert not is_vmem_oom(hbm)
+    assert scoped_vmem(msg) == (round(2.07 * MIB), MIB)
+    assert scoped_vmem("no sizes here") is None
+
+
+def test_compile_fitting_shrinks_a_plan_the_compiler_refuses(tmp_path):
+    """A ring too deep for the compiler's limit is refused, shrunk, compiled; the verdict is
+    cached, so the second call compiles once (SmolLM2 under a 2.5 MiB limit, ~15 s)."""
+    cfg = load_config(str(CONFIGS / "smollm2-135m.json"))
+    cache = tmp_path / "verdicts.json"
+    # make_plan keeps depth 6 (its own budget is ample); the compiler's limit is not.
+    shape = dict(depth_a=6, vmem_limit=5 * MIB // 2, cache=cache)
+    first = compile_fitting(cfg, 8, 16, 64, **shape)
+    assert first.refused and not first.from_cache
+    assert all(is_vmem_oom(msg) for _, msg in first.refused)
+    assert first.plan.depth_a < 6
+    assert first.plan.vmem_bytes() < first.refused[0][0]
+    assert first.compiled is not None
+    second = compile_fitting(cfg, 8, 16, 64, **shape)
+    assert second.from_cache and not second.refused
+    assert second.plan == first.plan
 
 
 @pytest.mark.tpu_compile

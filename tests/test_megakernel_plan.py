@@ -61,3 +61,25 @@ def test_floor_counts_active_weights_and_context():
     assert floor["weights"] > experts
     assert schedule.expected_distinct_experts(128, 8, 1) == 8
     assert 8 < schedule.expected_distinct_experts(128, 8, 8) <= 64
+
+
+def test_logits_leave_vmem_and_batch_64_fits_8k_context():
+    """The logits output is not VMEM-resident: only a 2-slot staging block is, and batch 64
+    at 8192 tokens per row fits the budget for both real configs."""
+    from kernels.registry import family_for
+
+    for name in ("llama-3.1-8b", "qwen3-30b-a3b"):
+        hf = json.loads((REPO / "configs" / "models" / f"{name}.json").read_text())
+        cfg = family_for(hf["model_type"])[1].from_hf(hf)
+        plan = make_plan(cfg, 64, 16, 512)
+        stage = {s.name: s for s in plan.scratch()}["logits_stage"]
+        assert stage.shape == (2, 64, plan.ta)
+        assert all(shape[0] != plan.vocab_tiles for shape, _ in plan.io_vmem())
+        assert plan.vmem_bytes() <= VMEM_BYTES - 8 * 2**20
+        walked = schedule.dma_bytes(plan, [8191] * 64, [64] * len(plan.moe_layers))
+        assert walked["logits"] == plan.vocab_tiles * 64 * plan.ta * 4
+        no_logits = make_plan(cfg, 64, 16, 512, emit_logits=False)
+        assert "logits_stage" not in {s.name for s in no_logits.scratch()}
+        assert (
+            schedule.dma_bytes(no_logits, [8191] * 64, [64] * len(plan.moe_layers))["logits"] == 0
+        )

@@ -43,17 +43,7 @@ def test_decode_program_has_no_pool_copy(tiny_model):
         TokenBatch.decode(np.array([3], np.int32), np.array([0], np.int32), table),
         SamplingArrays.greedy(1),
     )
-    fn = r._decode[(1, False)]
-    args = (
-        r.params,
-        r.pool.k,
-        r.pool.v,
-        np.zeros(1, np.int32),
-        np.zeros(1, np.int32),
-        table,
-        SamplingArrays.greedy(1).padded(1),
-    )
-    hlo = fn.lower(*args).compile().as_text()
+    hlo = r.programs_run.executables["decode", (1, 8, 1)].as_text()
     assert "input_output_alias" in hlo
     shape = "f32[" + ",".join(map(str, r.pool.k.shape)) + "]"
     copies = [
@@ -71,21 +61,17 @@ def test_one_device_program_per_call(tiny_model):
     )
     r.decode(*args)
     calls = []
-    fn = r._decode[(4, False)]
-    orig = fn.__call__
+    key = ("decode", (1, 8, 4))
+    exe = r.programs_run.executables[key]
 
-    class Counting:
-        def __call__(self, *a, **k):
-            calls.append(1)
-            return orig(*a, **k)
+    def counting(*a):
+        calls.append(1)
+        return exe(*a)
 
-        def __getattr__(self, n):
-            return getattr(fn, n)
-
-    r._decode[(4, False)] = Counting()
+    r.programs_run.executables[key] = counting
     toks, _ = r.decode(*args)
     assert toks.shape == (4, 1) and len(calls) == 1  # four steps, one executable launch
-    assert fn._cache_size() == 1
+    assert len(r.programs_run) == 1
 
 
 def test_multi_step_equals_single_steps(tiny_model):
@@ -124,6 +110,43 @@ def test_compiled_programs_bounded_by_buckets(tiny_model):
                 SamplingArrays.greedy(b),
             )
     limit = len(step_cfg.batch_buckets) * len(step_cfg.page_buckets)
-    assert r.compiled_programs == limit  # 32 shapes requested, 4 x 3 programs built
-    assert r._decode[(1, False)]._cache_size() <= limit
+    assert step_cfg.page_buckets == (4,)  # below MIN_PAGE_WIDTH: one width, the maximum
+    assert r.compiled_programs == limit  # 32 shapes requested, 4 x 1 programs built
+    assert len(r.programs_run) == limit
+    decode_set = {(p.name, p.key) for p in r.programs() if p.name == "decode"}
+    assert set(r.programs_run.executables) == decode_set
     jax.clear_caches()
+
+
+def test_warm_up_covers_every_call(tiny_model):
+    """After warm_up, prefill chunks, decode steps of every batch and page width, penalized
+    and sampled rows, and page writes/reads compile nothing more."""
+    step_cfg = StepConfig.for_limits(4, 32, 16, prefill_rows=2)
+    r = _runner(tiny_model, step_cfg, pages=70)
+    programs = r.programs() + r.pool.page_programs(16, read=True, write=True)
+    n, _ = r.programs_run.warm(p for p in programs if not p.name.startswith("kv_"))
+    r.pool.programs_run.warm(p for p in programs if p.name.startswith("kv_"))
+    names = {p.name for p in programs}
+    assert names == {"decode", "prefill", "pick", "kv_write", "kv_read"}
+    # batch 1,2,4 x widths 8,16 + prefill rows 1,2 x chunks 16,32 + pick per batch 1,2,4
+    assert n == 3 * 2 + 2 * 2 + 3
+    rng = np.random.default_rng(1)
+    vocab = tiny_model.cfg.vocab_size
+    penal = SamplingParams(temperature=0.7, seed=3, presence_penalty=0.5)
+    for rows, width, chunk in ((1, 3, 20), (2, 16, 7)):
+        table = np.stack([np.arange(1 + 16 * i, 1 + 16 * i + width) for i in range(rows)])
+        toks = rng.integers(0, vocab, (rows, chunk)).astype(np.int32)
+        pos = np.tile(np.arange(chunk, dtype=np.int32), (rows, 1))
+        batch = TokenBatch.from_padded(toks, pos, table.astype(np.int32))
+        hist = [(t.tolist(), []) for t in toks]
+        r.prefill(batch, SamplingArrays.build([penal] * rows, hist, vocab))
+    for b in (1, 3, 4):
+        table = rng.integers(1, 70, (b, int(rng.integers(1, 17)))).astype(np.int32)
+        batch = TokenBatch.decode(np.zeros(b, np.int32), np.full(b, 5, np.int32), table)
+        r.decode(batch, SamplingArrays.greedy(b))
+        hist = [([1, 2], [3])] * b
+        r.decode(batch, SamplingArrays.build([penal] * b, hist, vocab), want_logits=True)
+    k, v = (rng.normal(size=r.pool.heads_shape(11)).astype(np.float32) for _ in range(2))
+    r.pool.write_pages(np.arange(40, 51, dtype=np.int32), k, v)
+    r.pool.read_pages(list(range(40, 51)))
+    assert r.programs_run.late_compiles == 0 and r.pool.programs_run.late_compiles == 0

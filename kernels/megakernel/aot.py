@@ -4,26 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# libtpu reads these when jax first initialises it; without them it probes GCE metadata and
-# prints pages of warnings. Only defaults: a real TPU host's own settings win.
-_QUIET_LIBTPU = {
-    "TPU_SKIP_MDS_QUERY": "1",
-    "TPU_ACCELERATOR_TYPE": "v5litepod-1",
-    "TPU_WORKER_HOSTNAMES": "localhost",
-    "TPU_WORKER_ID": "0",
-    # Compile-only use touches no chip, so several processes may hold libtpu at once (a test
-    # process and the CLI it runs); without this the second fails on /tmp/libtpu_lockfile.
-    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
-}
+from kernels.megakernel.target import TOPOLOGIES, compile_plan, pool_shape, quiet_env
 
-# Compile-only topologies by target name; `tpu7x` is TPU v7 (Ironwood), one chip = 2 cores.
-TOPOLOGIES = {"tpu7x": "tpu7x:2x2x1", "v6e": "v6e:1x1", "v5e": "v5e:1x1"}
 # HBM bandwidth per chip used for the projected step time. TPU7x (Ironwood): 7.37 TB/s per
 # chip (Cloud TPU7x spec; the launch post said 7.2 TB/s), 192 GiB HBM on two dies of one
 # TensorCore each. v6e: 1.64 TB/s; v5e: 0.82 TB/s (one TensorCore per chip).
@@ -43,11 +30,9 @@ class CompileRequest:
     emit_logits: bool = True
     # Force ring A's depth (skips the VMEM fit): to see the compiler's own verdict on a plan.
     depth_a: int | None = None
-
-
-def _quiet_env() -> None:
-    for k, v in _QUIET_LIBTPU.items():
-        os.environ.setdefault(k, v)
+    # Pages in the KV pool (default: every row's context, plus the null page). Smaller when
+    # weights plus that pool exceed one TensorCore's HBM (Qwen3-30B-A3B, batch 64 x 8192).
+    pool_pages: int | None = None
 
 
 def load_config(path: str) -> Any:
@@ -85,15 +70,44 @@ def compile_megakernel(req: CompileRequest) -> dict[str, Any]:
         raise ValueError(f"target {req.target!r} is not one of {sorted(TOPOLOGIES)}")
     if req.batch < 1 or req.context < 2:
         raise ValueError(f"batch={req.batch} must be >= 1 and context={req.context} >= 2")
-    _quiet_env()
+    quiet_env()
     from kernels.megakernel.plan import make_plan
 
     cfg = load_config(req.config_path)
     pages = math.ceil(req.context / req.page_size)
-    forced = {} if req.depth_a is None else {"depth_a": req.depth_a, "vmem_budget": 2**40}
-    plan = make_plan(cfg, req.batch, req.page_size, pages, emit_logits=req.emit_logits, **forced)
-    result = _accounting(req, cfg, plan)
-    _compile(req, plan, result)
+    if req.depth_a is not None:  # a forced plan gets the compiler's verdict, no retry
+        forced = {"depth_a": req.depth_a, "vmem_budget": 2**40}
+        plan = make_plan(
+            cfg, req.batch, req.page_size, pages, emit_logits=req.emit_logits, **forced
+        )
+        result = _accounting(req, cfg, plan)
+        _compile(req, plan, result)
+        return result
+    # make_plan first: a request no plan fits is a bad request (ValueError), as before.
+    plan = make_plan(cfg, req.batch, req.page_size, pages, emit_logits=req.emit_logits)
+    from kernels.megakernel.fit import compile_fitting  # fit builds on this module
+
+    try:
+        fitted = compile_fitting(
+            cfg,
+            req.batch,
+            req.page_size,
+            pages,
+            target=req.target,
+            pool_pages=req.pool_pages,
+            emit_logits=req.emit_logits,
+        )
+    except Exception as e:  # refused even at depth 2, or not a VMEM verdict
+        result = _accounting(req, cfg, plan)
+        result["error"] = f"{type(e).__name__}: {e}"[:4000]
+        return result
+    result = _accounting(req, cfg, fitted.plan)
+    result["fit"] = {
+        "vmem_budget": fitted.vmem_budget,
+        "refused_vmem_bytes": [v for v, _ in fitted.refused],
+        "from_cache": fitted.from_cache,
+    }
+    _record_compiled(fitted.compiled, fitted.plan, result, req.pool_pages)
     return result
 
 
@@ -108,11 +122,9 @@ def _accounting(req: CompileRequest, cfg: Any, plan: Any) -> dict[str, Any]:
     )
     dma = schedule.dma_bytes(plan, positions, distinct)
     floor = schedule.floor_bytes(cfg, plan, positions, distinct)
-    # Beyond the kernel's own DMAs: the embedding rows XLA gathers before it, and the f32
-    # logits block the pallas_call writes back after it.
+    # Beyond the kernel's own DMAs (which include the logits tiles): the embedding rows XLA
+    # gathers before it.
     outside = floor["embedding_rows"]
-    if plan.emit_logits:
-        outside += plan.batch * plan.vocab_tiles * plan.ta * 4
     hbm = sum(dma.values()) + outside
     hbm_padded = sum(schedule.dma_bytes(plan, positions, distinct, padded=True).values())
     hbm_padded += outside
@@ -159,70 +171,19 @@ def _accounting(req: CompileRequest, cfg: Any, plan: Any) -> dict[str, Any]:
 
 
 def _compile(req: CompileRequest, plan: Any, result: dict[str, Any]) -> None:
-    """AOT-compiles the step on the target's compile-only topology; records it in `result`."""
-    import jax
-    import jax.numpy as jnp
-    from jax.experimental import topologies
-    from jax.experimental.layout import Format, Layout
-    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
-
-    from kernels.megakernel.pack import abstract_params
-    from kernels.megakernel.step import megakernel_step
-
-    topo = topologies.get_topology_desc(topology_name=TOPOLOGIES[req.target], platform="tpu")
-    dev = topo.devices[0]
-    sharding = jax.sharding.SingleDeviceSharding(dev)
-
-    def sds(x):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-    mparams = jax.tree.map(sds, abstract_params(plan))
-    pages = plan.pages_per_seq
-    n_pages = req.batch * pages + 1  # one null page plus every row's pages
-    kv_shape = (plan.num_layers, n_pages, req.page_size, plan.kv)  # the kernel's pool layout
-    # The pool is pinned to row-major: for a K/V row that is not a lane multiple (SmolLM2,
-    # 192) XLA's default layout of a large pool moves the page dim minor, which the kernel's
-    # page DMAs cannot use (it then re-lays out the pool around the kernel). A TPU runner
-    # allocates the pool with this same Format.
-    row_major = Format(Layout(major_to_minor=tuple(range(len(kv_shape)))), sharding)
-    kv = jax.ShapeDtypeStruct(kv_shape, plan.kv_dtype, sharding=row_major)
-    i32 = jnp.int32
-    args = (
-        mparams,
-        kv,
-        kv,
-        jax.ShapeDtypeStruct((req.batch,), i32, sharding=sharding),
-        jax.ShapeDtypeStruct((req.batch,), i32, sharding=sharding),
-        jax.ShapeDtypeStruct((req.batch, pages), i32, sharding=sharding),
-    )
-
-    def step(mp, k, v, tok, pos, pt):
-        return megakernel_step(plan, mp, k, v, tok, pos, pt)[:4]
-
-    # Lowering needs the chip generation (integer rem/div rules): an abstract TPU mesh.
-    mesh = AbstractMesh(
-        (1,),
-        ("x",),
-        (AxisType.Explicit,),
-        abstract_device=AbstractDevice(device_kind=dev.device_kind, num_cores=1, platform="tpu"),
-    )
-    # Compile-only executables cannot be reloaded from the persistent cache (it needs a
-    # client): keep them out of it, then restore the caller's setting.
-    cache_was = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
+    """AOT-compiles the step for `req.target`; records the verdict and facts in `result`."""
     try:
-        with jax.sharding.use_abstract_mesh(mesh):
-            traced = jax.jit(
-                step,
-                donate_argnums=(1, 2),
-                out_shardings=(sharding, None, row_major, row_major),
-            ).trace(*args)
-        compiled = traced.lower().compile()
+        compiled = compile_plan(plan, req.target, req.pool_pages)
     except Exception as e:  # the compiler's own message is the useful output
         result["error"] = f"{type(e).__name__}: {e}"[:4000]
         return
-    finally:
-        jax.config.update("jax_enable_compilation_cache", cache_was)
+    _record_compiled(compiled, plan, result, req.pool_pages)
+
+
+def _record_compiled(
+    compiled: Any, plan: Any, result: dict[str, Any], pool_pages: int | None = None
+) -> None:
+    """Marks `result` compiled; adds the compiled HBM sizes and any re-layout copies."""
     result["compiled"] = True
     mem = compiled.memory_analysis()
     if mem is not None:
@@ -232,5 +193,7 @@ def _compile(req: CompileRequest, plan: Any, result: dict[str, Any]) -> None:
             "alias_bytes": int(mem.alias_size_in_bytes),
             "temp_bytes": int(mem.temp_size_in_bytes),
         }
-    big = [s for s, _ in plan.hbm_shapes().values()] + [kv_shape]
+    pool = pool_shape(plan, pool_pages)
+    result["pool_pages"] = pool[1]
+    big = [s for s, _ in plan.hbm_shapes().values()] + [pool]
     result["relayout_copies"] = _relayout_copies(compiled.as_text(), big)

@@ -82,7 +82,7 @@ def _project_qkv(ctx: Body, a_first, vec_slot):
             y = _head_norm(ctx, y, ctx.vec_row(vec_slot, VecRow.Q_NORM, p.ta))
         y = _rope(ctx, y) * scale
         for row in range(p.batch):
-            r["q"][row, group] = y[row : row + 1, : p.kv]
+            r["q"][row, group : group + 1] = y[row : row + 1, : p.kv]
     keys = project(p.group)
     if p.qk_norm:
         keys = _head_norm(ctx, keys, ctx.vec_row(vec_slot, VecRow.K_NORM, p.ta))
@@ -104,10 +104,10 @@ def _start_online_softmax(ctx: Body, keys, values) -> None:
         key, value = keys[row : row + 1], values[row : row + 1]
         r["kw"][row] = jnp.where(page_row == r["wslot"][row], key, 0.0).astype(p.kv_dtype)
         r["vw"][row] = jnp.where(page_row == r["wslot"][row], value, 0.0).astype(p.kv_dtype)
-        for group in range(p.group):
-            r["m"][row, group] = dot(r["q"][row, group] * key, r["seg"][...], HIGHEST)
-            r["l"][row, group] = jnp.ones((1, LANES), jnp.float32)
-            r["acc"][row, group] = value
+        # All of the row's groups at once: f32[g, kv] on sublanes.
+        r["m"][row] = dot(r["q"][row] * key, r["seg"][...], HIGHEST)
+        r["l"][row] = jnp.ones((p.group, LANES), jnp.float32)
+        r["acc"][row] = jnp.broadcast_to(value, (p.group, p.kv))
 
 
 def _attend_page(ctx: Body, layer, item, carry):
@@ -130,20 +130,21 @@ def _attend_page(ctx: Body, layer, item, carry):
     keys = jnp.where(valid, page_keys.astype(jnp.float32), 0.0)
     values = jnp.where(valid, page_values.astype(jnp.float32), 0.0)
     for group in range(p.group):
+        at = (row, pl.ds(group, 1))  # dynamic row (leading dim), static group (sublane)
         # Each head's score sits in its own lane of f32[page_size, 128] (seg sums its lanes).
-        scores = dot(keys * r["q"][row, group], r["seg"][...], HIGHEST)
+        scores = dot(keys * r["q"][at], r["seg"][...], HIGHEST)
         scores = jnp.where(valid, scores, MASKED)
-        max_old = r["m"][row, group]
+        max_old = r["m"][at]  # f32[1, 128]
         max_new = jnp.maximum(max_old, jnp.max(scores, axis=0, keepdims=True))
         rescale = jnp.exp(max_old - max_new)
         probs = jnp.exp(scores - max_new)
-        r["m"][row, group] = max_new
-        r["l"][row, group] = rescale * r["l"][row, group] + jnp.sum(probs, axis=0, keepdims=True)
+        r["m"][at] = max_new
+        r["l"][at] = rescale * r["l"][at] + jnp.sum(probs, axis=0, keepdims=True)
         # seg_t spreads each head's probability back over that head's lanes.
         per_lane = dot(probs, r["seg_t"][...], HIGHEST)
         weighted = jnp.sum(per_lane * values, axis=0, keepdims=True)
-        accumulated = r["acc"][row, group]  # f32[1, kv]
-        r["acc"][row, group] = accumulated * dot(rescale, r["seg_t"][...], HIGHEST) + weighted
+        accumulated = r["acc"][at]  # f32[1, kv]
+        r["acc"][at] = accumulated * dot(rescale, r["seg_t"][...], HIGHEST) + weighted
     pl.when(item + p.depth_kv < ctx.n_items)(lambda: kv_read_start(ctx, layer, item + p.depth_kv))
     return carry
 
@@ -159,9 +160,10 @@ def _write_pages_and_normalise(ctx: Body, layer) -> None:
                 pl.when(r["pos"][row] >= 0)(
                     lambda: count_dma(ctx.counter, Dma.KV_WRITE, r["kw"].at[0])
                 )
+        denominator = dot(r["l"][row], r["seg_t"][...], HIGHEST)  # f32[g, kv]
+        out = r["acc"][row] / denominator
         for group in range(p.group):
-            denominator = dot(r["l"][row, group], r["seg_t"][...], HIGHEST)
-            r["attn"][group, row : row + 1, : p.kv] = r["acc"][row, group] / denominator
+            r["attn"][group, row : row + 1, : p.kv] = out[group : group + 1]
 
 
 def _o_proj(ctx: Body, b_first) -> None:

@@ -24,6 +24,7 @@ class Dma(IntEnum):
     EXPERTS = 4
     KV_READ = 5
     KV_WRITE = 6
+    LOGITS = 7  # lm_head logits tiles, VMEM staging -> the HBM logits output
 
 
 # The counter's keys by name, as `schedule.dma_bytes` returns them.

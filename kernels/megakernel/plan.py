@@ -98,6 +98,10 @@ class MegaPlan:
     act_dtype: Any = jnp.bfloat16  # matmul input dtype; float32 = exactness mode for tests
     emit_logits: bool = True
     count_dmas: bool = False
+    # The scoped-VMEM limit handed to the compiler (`vmem_limit_bytes`): all of VMEM, since
+    # Mosaic's internal scratch comes on top of vmem_bytes(); tests lower it to provoke a
+    # compiler VMEM refusal.
+    vmem_limit: int = VMEM_BYTES
 
     # -- derived sizes --------------------------------------------------------------------
     @property
@@ -203,14 +207,25 @@ class MegaPlan:
             Scratch("vw", (b, ps, kv), self.kv_dtype),
             Scratch("sem_w", (b, 2), None, "sem"),
             Scratch("h", (b, dp), jnp.float32),
-            Scratch("q", (b, g, 1, kv), jnp.float32),
-            Scratch("m", (b, g, 1, LANES), jnp.float32),
-            Scratch("l", (b, g, 1, LANES), jnp.float32),
-            Scratch("acc", (b, g, 1, kv), jnp.float32),
+            # Per row, its g query-head groups on sublanes: a (b, g, 1, X) layout would pad
+            # each group's single row to 8 sublanes (8x the bytes). The attention loop indexes
+            # the row dynamically (leading dim) and the group statically (sublane offset).
+            Scratch("q", (b, g, kv), jnp.float32),
+            Scratch("m", (b, g, LANES), jnp.float32),
+            Scratch("l", (b, g, LANES), jnp.float32),
+            Scratch("acc", (b, g, kv), jnp.float32),
             Scratch("attn", (g, b, ta), jnp.float32),
             Scratch("seg", (kv, LANES), jnp.float32),
             Scratch("seg_t", (LANES, kv), jnp.float32),
         ]
+        if self.emit_logits:
+            # lm_head logits leave VMEM tile by tile: a double-buffered staging block DMA'd to
+            # the HBM logits output (holding all of f32[tiles, B, ta] would cost 16-37 MiB at
+            # batch 64).
+            s += [
+                Scratch("logits_stage", (2, b, ta), jnp.float32),
+                Scratch("sem_logits", (2,), None, "sem"),
+            ]
         if self.moe_layers:
             ep, i = self.experts_p, self.moe_inter_p
             s += [
@@ -229,16 +244,14 @@ class MegaPlan:
     def io_vmem(self) -> list[tuple[tuple[int, ...], Any]]:
         """VMEM-resident kernel inputs and outputs (whole-array blocks)."""
         b = self.batch
-        out = [
+        # The logits output stays in HBM (`logits_stage` in `scratch()` is its VMEM side).
+        return [
             ((b, self.hidden_p), jnp.float32),  # h0
             ((b, self.ta), jnp.float32),  # cos
             ((b, self.ta), jnp.float32),  # sin
             ((1, self.hidden_p), jnp.float32),  # final norm
             ((b, LANES), jnp.int32),  # greedy tokens
         ]
-        if self.emit_logits:
-            out.append(((self.vocab_tiles, b, self.ta), jnp.float32))
-        return out
 
     def vmem_bytes(self) -> int:
         """VMEM the kernel allocates: scratch plus whole-array VMEM operands, tile-padded."""

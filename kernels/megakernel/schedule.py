@@ -39,7 +39,7 @@ def dma_bytes(
     Ring A/B stream each of their `n_a` / `n_b` tiles exactly once; the per-layer vector and
     router rings one block per layer; experts one (gate|up, down) pair per distinct selected
     expert per MoE layer; each layer reads `pages_read` K and V pages and writes back one K
-    and one V page per live row.
+    and one V page per live row; with `emit_logits`, one f32[B, ta] logits block per vocab tile.
 
     Args:
       positions: the step's position per row (-1 = padding).
@@ -59,6 +59,8 @@ def dma_bytes(
         "experts": 0,
         "kv_read": p.num_layers * pages_read(p, positions) * 2 * kv_page,
         "kv_write": p.num_layers * live * 2 * kv_page,
+        # One staging block per vocab tile, DMA'd to the HBM logits output.
+        "logits": p.vocab_tiles * _block_bytes(p, "logits_stage", padded) if p.emit_logits else 0,
     }
     if p.moe_layers:
         out["router"] = len(p.moe_layers) * _block_bytes(p, "router", padded)

@@ -14,7 +14,7 @@ from kernels import llama, qwen3_moe
 from kernels.llama import LlamaConfig
 from kernels.megakernel import kernel as K
 from kernels.megakernel.pack import unpack_megakernel
-from kernels.megakernel.plan import VMEM_BYTES, VMEM_HEADROOM, MegaPlan
+from kernels.megakernel.plan import MegaPlan
 from kernels.qwen3_moe import Qwen3MoeConfig
 from kernels.rope import RopeConfig
 
@@ -84,7 +84,8 @@ def _pallas_call(plan: MegaPlan, interpret: bool):
     ins = K.input_names(p)
     outs = K.output_names(p)
     in_specs = [hbm if n.endswith("_hbm") else vmem for n in ins]
-    out_specs = [{"tokens": vmem, "logits": vmem, "dma_count_out": smem}.get(n, hbm) for n in outs]
+    # logits stay in HBM: the kernel DMAs each vocab tile there from a VMEM staging block.
+    out_specs = [{"tokens": vmem, "dma_count_out": smem}.get(n, hbm) for n in outs]
     scratch = []
     for s in p.scratch():
         if s.space == "sem":
@@ -111,7 +112,9 @@ def _pallas_call(plan: MegaPlan, interpret: bool):
         grid_spec=grid_spec,
         input_output_aliases=aliases,
         compiler_params=pltpu.CompilerParams(
-            vmem_limit_bytes=min(p.vmem_bytes() + VMEM_HEADROOM, VMEM_BYTES)
+            # All of VMEM: Mosaic's internal scratch beyond the plan's estimate (8.2 MiB for
+            # Llama-3.1-8B, more than VMEM_HEADROOM) must fit under the limit too.
+            vmem_limit_bytes=p.vmem_limit
         ),
         interpret=pltpu.InterpretParams() if interpret else False,
     )
@@ -132,9 +135,9 @@ def megakernel_step(
     Args:
       plan: static plan (batch and page-table width included).
       mparams: `pack_megakernel` output.
-      k_cache, v_cache: [L, num_pages, page_size, Hkv * D] pools in the kernel's KV dtype
-        (or [.., Hkv, D], viewed as that); donate them under jit: the kernel writes each
-        row's new K/V into its page in place.
+      k_cache, v_cache: [L, num_pages, page_size, Hkv * D] pools (`KVPool`'s layout) in the
+        kernel's KV dtype; donate them under jit: the kernel writes each row's new K/V into
+        its page in place.
       tokens: i32[B]; positions: i32[B] (-1 = padding row); page_table: i32[B, P].
       interpret: run under the TPU interpreter (CPU tests).
     Returns:
@@ -142,12 +145,9 @@ def megakernel_step(
       kind (`kernel.DMA_KINDS`) or None).
     """
     p = plan
-    nl, n_pages, ps = k_cache.shape[:3]
-    # The kernel's pool layout is [L, pages, page_size, Hkv * D]: one page is one DMA block.
-    # A 5-D pool is viewed that way; free on CPU, but on TPU the two layouts tile
-    # differently and XLA re-lays out the whole pool, so TPU runners keep the 4-D layout.
-    k4 = k_cache.reshape(nl, n_pages, ps, p.kv)
-    v4 = v_cache.reshape(nl, n_pages, ps, p.kv)
+    if k_cache.ndim != 4 or k_cache.shape[-1] != p.kv:
+        raise ValueError(f"pool shape {k_cache.shape} is not [L, pages, page_size, {p.kv}]")
+    k4, v4 = k_cache, v_cache  # the kernel's layout: one page is one DMA block
     inp = step_inputs(p, mparams, tokens, positions, page_table)
     hbm = {f"{n}_hbm": mparams[n] for n in ("ring_a", "ring_b", "vec")}
     if p.moe_layers:
@@ -169,8 +169,8 @@ def megakernel_step(
     return (
         res["tokens"][:, 0],
         logits,
-        res["k_out"].reshape(k_cache.shape),
-        res["v_out"].reshape(v_cache.shape),
+        res["k_out"],
+        res["v_out"],
         res.get("dma_count_out"),
     )
 
@@ -229,21 +229,18 @@ def reference_step(
     del interpret
     p = plan
     params = unpack_megakernel(p, mparams)
-    nl, n_pages, ps = k_cache.shape[:3]
-    k5 = k_cache.reshape(nl, n_pages, ps, p.num_kv_heads, p.head_dim)  # forward's layout
-    v5 = v_cache.reshape(nl, n_pages, ps, p.num_kv_heads, p.head_dim)
     mlp = qwen3_moe.moe_mlp if p.moe_layers else llama.dense_mlp
     zeros = jnp.zeros(tokens.shape, jnp.int32)
-    logits, k5, v5 = llama.forward(
+    logits, k_cache, v_cache = llama.forward(
         _family_config(p),
         params,
         tokens[:, None],
         positions[:, None],
-        k5,
-        v5,
+        k_cache,
+        v_cache,
         page_table,
         zeros,
         mlp=mlp,
     )
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return greedy, logits, k5.reshape(k_cache.shape), v5.reshape(v_cache.shape), None
+    return greedy, logits, k_cache, v_cache, None

@@ -6,8 +6,10 @@ from functools import partial
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
-from kernels.megakernel.body import NO_INDEX, Body, dot, rms
+from kernels.megakernel.body import NO_INDEX, Body, Dma, count_dma, dot, rem, rms
 from kernels.megakernel.plan import LANES
 
 
@@ -20,6 +22,30 @@ def lm_head_argmax(ctx: Body) -> None:
     init = (jnp.full((p.batch, 1), -jnp.inf, jnp.float32), jnp.zeros((p.batch, 1), jnp.int32))
     _, best = lax.fori_loop(0, p.vocab_tiles, partial(vocab_tile, ctx, normed, lane), init)
     r["tokens"][...] = jnp.broadcast_to(best, (p.batch, LANES))
+    if p.emit_logits:
+        # The last tiles' logits DMAs must land before the kernel ends.
+        for tile in range(max(0, p.vocab_tiles - 2), p.vocab_tiles):
+            _logits_copy(ctx, tile).wait()
+
+
+def _logits_copy(ctx: Body, tile):
+    """The DMA of tile `tile`'s logits from its staging slot (tile % 2) to the HBM output."""
+    r = ctx.refs
+    slot = rem(tile, 2)
+    return pltpu.make_async_copy(
+        r["logits_stage"].at[slot], r["logits"].at[tile], r["sem_logits"].at[slot]
+    )
+
+
+def _emit_logits(ctx: Body, tile, logits) -> None:
+    """Stages tile `tile`'s logits (f32[B, ta]) and starts their DMA to HBM.
+
+    The staging block has two slots: tile t reuses tile t-2's slot once that DMA landed.
+    """
+    pl.when(tile >= 2)(lambda: _logits_copy(ctx, tile - 2).wait())
+    ctx.refs["logits_stage"][rem(tile, 2)] = logits
+    _logits_copy(ctx, tile).start()
+    count_dma(ctx.counter, Dma.LOGITS, ctx.refs["logits_stage"].at[0])
 
 
 def vocab_tile(ctx: Body, normed, lane, tile, carry):
@@ -37,7 +63,7 @@ def vocab_tile(ctx: Body, normed, lane, tile, carry):
     column = tile * p.ta + lane  # the vocab index of each lane
     logits = jnp.where(column < p.vocab, logits, -jnp.inf)
     if p.emit_logits:
-        r["logits"][tile] = logits
+        _emit_logits(ctx, tile, logits)
     tile_max = jnp.max(logits, axis=1, keepdims=True)
     tile_argmax = jnp.min(jnp.where(logits == tile_max, column, NO_INDEX), axis=1, keepdims=True)
     better = tile_max > best_logit  # strict: the earlier tile keeps ties (first index wins)

@@ -39,8 +39,9 @@ class PageGeometry:
 
     @classmethod
     def of_pool(cls, pool: KVPool) -> PageGeometry:
-        num_layers, _, page_size, kv_heads, head_dim = pool.k.shape
-        return cls(num_layers, page_size, kv_heads, head_dim, str(pool.k.dtype))
+        return cls(
+            pool.num_layers, pool.page_size, pool.num_kv_heads, pool.head_dim, str(pool.k.dtype)
+        )
 
 
 def header(request_id: str, geo: PageGeometry, first_page: int, num_pages: int):
@@ -170,6 +171,9 @@ def extract_pages(pool: KVPool, pages: list[int]) -> tuple[np.ndarray, np.ndarra
     """K, V of `pages` as host arrays [L, len(pages), page_size, Hkv, D]."""
     pieces = pool.read_pages(pages)
     if not pieces:
-        empty = np.zeros((pool.k.shape[0], 0, *pool.k.shape[2:]), pool.k.dtype)
+        empty = np.zeros(pool.heads_shape(0), pool.k.dtype)
         return empty, empty.copy()
-    return tuple(np.concatenate([np.asarray(p[i]) for p in pieces], axis=1) for i in (1, 2))
+    shape = pool.heads_shape(len(pages))
+    return tuple(
+        np.concatenate([np.asarray(p[i]) for p in pieces], axis=1).reshape(shape) for i in (1, 2)
+    )

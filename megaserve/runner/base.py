@@ -8,6 +8,7 @@ import abc
 import numpy as np
 
 from kernels.kv_cache import KVPool
+from kernels.programs import Program, ProgramCache
 from megaserve.runner.batch import TokenBatch
 from megaserve.runner.buckets import StepConfig
 from megaserve.sampling_params import SamplingArrays
@@ -22,6 +23,12 @@ class Runner(abc.ABC):
 
     pool: KVPool
     step_cfg: StepConfig
+    programs_run: ProgramCache  # the executables its calls run (filled by warm-up)
+
+    @abc.abstractmethod
+    def programs(self) -> list[Program]:
+        """Every device program this runner's calls can need, with abstract arguments: what
+        a worker compiles before serving and `compile-worker` compiles for a target."""
 
     @abc.abstractmethod
     def prefill(self, batch: TokenBatch, sampling: SamplingArrays) -> tuple[np.ndarray, np.ndarray]:

@@ -54,16 +54,20 @@ def make_runner(
     step_cfg: StepConfig | None = None,
     backend: str | None = "auto",
     vmem_budget: int | None = None,
+    matmul_dtype: Any = None,
 ) -> Runner:
     """The runner for a --backend value (None = auto), logging which and why; `pallas` off
-    TPU runs the megakernel in the TPU interpreter. `vmem_budget` caps the megakernel's plan."""
+    TPU runs the megakernel in the TPU interpreter. `vmem_budget` caps the megakernel's plan;
+    `matmul_dtype` sets its matmul inputs (None: bf16)."""
     step_cfg = step_cfg or StepConfig()
     backend, why = choose_backend(cfg, pool.page_size, backend)
     log.info("backend", backend=backend, why=why)
     if backend == "pallas":
         from megaserve.runner.pallas import MegakernelRunner
 
-        return MegakernelRunner(family, cfg, params, pool, step_cfg, vmem_budget=vmem_budget)
+        return MegakernelRunner(
+            family, cfg, params, pool, step_cfg, vmem_budget=vmem_budget, matmul_dtype=matmul_dtype
+        )
     from megaserve.runner.xla import XlaRunner
 
     return XlaRunner(family, cfg, params, pool, step_cfg)

@@ -10,56 +10,89 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.megakernel.pack import pack_megakernel
+from kernels.megakernel.pack import abstract_params, pack_megakernel
 from kernels.megakernel.plan import MegaPlan, make_plan
+from kernels.megakernel.ring_forward import ring_forward
 from kernels.megakernel.step import megakernel_step
-from kernels.xla_step import pick
+from kernels.programs import Program, is_abstract
+from kernels.xla_step import pick, prefill_program
 from megaserve.errors import BackendError
-from megaserve.runner.batch import TokenBatch
-from megaserve.runner.xla import XlaRunner
-from megaserve.sampling_params import SamplingArrays
+from megaserve.runner.xla import PaddedDecode, XlaRunner
 
 
 def _pallas_decode(plan: MegaPlan, interpret: bool, mparams, k, v, tok, pos, pt, s):
     toks, logits, k, v, _ = megakernel_step(plan, mparams, k, v, tok, pos, pt, interpret)
-    # Greedy rows keep the kernel's in-kernel argmax; sampled or penalized rows are picked
-    # from the kernel's logits in XLA (the same `pick` as the XLA backend).
-    if "counts" in s:
-        nxt = pick(logits, s, pos + 1)
-    else:
-        nxt = jnp.where(s["temperature"] > 0, pick(logits, s, pos + 1), toks)
+    # Greedy rows keep the kernel's in-kernel argmax; sampled rows are picked from the
+    # kernel's logits in XLA (the same `pick` as the XLA backend; penalties run after, in
+    # the runner's separate `pick` program).
+    nxt = jnp.where(s["temperature"] > 0, pick(logits, s, pos + 1), toks)
     return nxt, logits, k, v
+
+
+@dataclass(frozen=True)
+class RingFamily:
+    """What `prefill_program` calls as `family.forward`: the XLA forward over the rings."""
+
+    plan: MegaPlan
+    dtype: Any  # activations, as the family's forward takes them from its params
+
+    def forward(self, cfg, mparams, tokens, positions, k, v, page_table, logits_index):
+        del cfg  # the plan holds every size
+        return ring_forward(
+            self.plan, mparams, tokens, positions, k, v, page_table, logits_index, self.dtype
+        )
 
 
 @dataclass
 class MegakernelRunner(XlaRunner):
     """Prefill stays the XLA program; decode runs the megakernel (interpreted off TPU).
 
-    The pool keeps the decode tier's [L, pages, page_size, Hkv, D] arrays: the kernel views
-    them as [.., Hkv * D], which is free on CPU (see `megakernel_step` for TPU).
+    Decode programs are keyed by batch bucket only: every call passes the full page table
+    (max pages per sequence) and the kernel's read loop runs over the pages each row really
+    holds (a count it computes from the positions), so the width costs no reads.
     """
 
     interpret: bool | None = None
     vmem_budget: int | None = None  # bytes the plan may take (None: the tpu7x default)
+    # The kernel's matmul input dtype: None = the plan's (bf16); float32 is the exactness
+    # mode tests compare the XLA backend with.
+    matmul_dtype: Any = None
 
     def __post_init__(self):
-        super().__post_init__()
         if self.interpret is None:
             self.interpret = jax.default_backend() != "tpu"
         self.kv_dtype = self.pool.k.dtype
-        base = make_plan(self.cfg, 1, self.pool.page_size, 1, kv_dtype=self.kv_dtype)
-        self.mparams = pack_megakernel(base, self.params)
-        self._pallas: dict[tuple[int, int], Any] = {}
+        # The rings hold the serving dtype (--dtype): bf16 by default on TPU, f32 where the
+        # parity tests run, so prefill over the rings computes what the XLA backend does.
+        act_dtype = self.weight_dtype = self.params["embed"].dtype
+        base = self.plan_for(1, 1)
+        # One resident copy of the weights: the rings, packed from the host params when the
+        # model was loaded for this backend (LoadedModel.load_for); prefill reads them too.
+        if is_abstract(self.params):  # compile-worker: shapes, no weights
+            self.mparams = abstract_params(base)
+        else:
+            self.mparams = pack_megakernel(base, self.params)
+        self.params = None
+        super().__post_init__()
+        ring = RingFamily(base, act_dtype)
+        self._prefill = jax.jit(partial(prefill_program, ring, self.cfg), donate_argnums=(1, 2))
+        self._pallas: dict[int, Any] = {}
+
+    def prefill_params(self) -> Any:
+        return self.mparams
 
     def plan_for(self, batch: int, pages: int) -> MegaPlan:
         budget = {} if self.vmem_budget is None else {"vmem_budget": self.vmem_budget}
+        if self.matmul_dtype is not None:
+            budget["act_dtype"] = self.matmul_dtype
         return make_plan(
-            self.cfg, batch, self.pool.page_size, pages, kv_dtype=self.kv_dtype, **budget
-        )
+            self.cfg, batch, self.pool.page_size, pages, kv_dtype=self.kv_dtype,
+            weight_dtype=self.weight_dtype, **budget,
+        )  # fmt: skip
 
     def max_batch(self) -> tuple[int, str]:
         """The largest batch bucket whose plan fits VMEM at the widest page table."""
-        widest = self.step_cfg.page_buckets[-1]
+        widest = self.step_cfg.max_pages_per_seq
         refused = None
         for b in reversed(self.step_cfg.batch_buckets):
             try:
@@ -70,40 +103,36 @@ class MegakernelRunner(XlaRunner):
             return b, refused or "the largest batch bucket"
         raise BackendError(f"no batch bucket plans at {widest} pages per sequence: {refused}")
 
-    def decode(
-        self,
-        batch: TokenBatch,
-        sampling: SamplingArrays,
-        n_steps: int | None = None,
-        want_logits: bool = False,
-    ) -> tuple[np.ndarray, np.ndarray | None]:
-        """As `XlaRunner.decode`; n_steps > 1 runs one kernel call per step."""
-        n_steps = n_steps or self.step_cfg.steps_per_call
-        p = self.pad_decode(batch)
-        b = len(p.tokens)
-        key = (b, p.page_table.shape[1])
-        if key not in self._pallas:
-            plan = self.plan_for(*key)
-            self._pallas[key] = jax.jit(
+    def decode_widths(self) -> tuple[int, ...]:
+        return (self.step_cfg.max_pages_per_seq,)
+
+    def decode_params(self) -> Any:
+        return self.mparams
+
+    def _pallas_fn(self, b: int):
+        if b not in self._pallas:
+            plan = self.plan_for(b, self.step_cfg.max_pages_per_seq)
+            self._pallas[b] = jax.jit(
                 partial(_pallas_decode, plan, self.interpret), donate_argnums=(1, 2)
             )
-        self.program_keys.add(("pallas_decode", *key, sampling.counts is not None))
-        s = sampling.padded(b)
-        rows = np.arange(b)
+        return self._pallas[b]
+
+    def decode_program(self, b: int, w: int) -> Program:
+        p = super().decode_program(b, w)
+        return Program("pallas_decode", (b,), self._pallas_fn(b), p.args)
+
+    def decode_call(self, p: PaddedDecode, s: dict, n_steps: int):
+        """n_steps kernel calls (one step each): (i32[n, B] tokens, f32[n, B, V] logits)."""
+        b = len(p.tokens)
         tok, pos = p.tokens, p.positions
         out_t, out_l = [], []
         for _ in range(n_steps):
-            nxt, logits, self.pool.k, self.pool.v = self._pallas[key](
-                self.mparams, self.pool.k, self.pool.v, tok, pos, p.page_table, s
-            )
-            nxt = np.asarray(nxt)
-            out_t.append(nxt[: p.rows])
-            if want_logits:
-                out_l.append(np.asarray(logits)[: p.rows])
-            if "counts" in s:
-                s = s | {"counts": s["counts"].copy(), "seen": s["seen"].copy()}
-                s["counts"][rows, nxt] += 1
-                s["seen"][rows, nxt] = True
-            tok = nxt.astype(np.int32)
+            nxt, logits, self.pool.k, self.pool.v = self._run(
+                "pallas_decode", (b,), self._pallas_fn(b), self.mparams, self.pool.k,
+                self.pool.v, tok, pos, p.page_table, s,
+            )  # fmt: skip
+            out_t.append(nxt)
+            out_l.append(logits)
+            tok = np.asarray(nxt).astype(np.int32)
             pos = np.where(pos >= 0, pos + 1, -1).astype(np.int32)
-        return np.stack(out_t), (np.stack(out_l) if want_logits else None)
+        return np.stack([np.asarray(t) for t in out_t]), jnp.stack(out_l)

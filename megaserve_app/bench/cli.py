@@ -95,6 +95,22 @@ def add_bench(sub) -> None:
     se.add_argument("--json-out")
     se.add_argument("--plot", default=str(REPO / "docs" / "bench_serve.png"), help="PNG path")
     se.set_defaults(func=cmd_bench_serve)
+    st = bsub.add_parser(
+        "startup", help="a worker's seconds to SERVING, cold then warm compilation cache"
+    )
+    st.add_argument("--role", choices=("decode", "prefill"), default="decode")
+    st.add_argument("--runs", type=int, default=2, help="starts over one cache (first: cold)")
+    st.add_argument("--cache-dir", help="an existing cache (every start then counts as warm)")
+    st.add_argument("worker_args", nargs="*", help="after --: the worker's own flags")
+    st.set_defaults(func=cmd_bench_startup)
+
+
+def cmd_bench_startup(a) -> int:
+    from megaserve_app.bench.startup import bench_startup
+
+    for row in bench_startup(a.role, a.worker_args, a.cache_dir, a.runs):
+        print(json.dumps(row), flush=True)
+    return 0
 
 
 def _peer_rows(a, gguf: Path, batches: list[int]) -> list[dict]:
