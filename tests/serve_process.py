@@ -53,7 +53,10 @@ class Served:
     lines come through); its output is read in the background."""
 
     def __init__(self, *args: str):
-        cmd = [sys.executable, "-m", "megaserve_app.cli", "serve", "--port", "0", *args]
+        # Shapes compile on first use: these tests kill and restart workers on timers that a
+        # full warm-up (minutes cold on CPU) would not meet; warm-up has its own tests.
+        cmd = [sys.executable, "-m", "megaserve_app.cli", "serve", "--port", "0"]
+        cmd += ["--warm-up", "none", *args]
         self.p = subprocess.Popen(
             cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True,

@@ -3,6 +3,7 @@ Prometheus metrics, and a clean SIGTERM shutdown that deregisters."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -97,6 +98,13 @@ def test_worker_process_lifecycle(redis_server):
         assert not r.exists(worker_key("dw1"))
         logs = proc.stderr.read()
         assert '"event": "finished"' in logs and '"request_id": "p1"' in logs
+        # --warm-up all (the default): the whole set compiled before READY, none after.
+        events = [json.loads(x) for x in logs.splitlines() if x.startswith("{")]
+        compiled = [e for e in events if e["event"] == "programs compiled"]
+        assert len(compiled) == 1 and compiled[0]["programs"] > 20, compiled
+        assert set(compiled[0]["by_name"]) == {"decode", "prefill", "pick", "kv_write"}
+        assert [e for e in events if e["event"] == "memory plan"]
+        assert not [e for e in events if "compiled while serving" in e["event"]], events
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1,7 +1,8 @@
-"""160 concurrent streams against `megaserve serve` with its default flags (SmolLM2, one decode
-and one prefill worker): every stream ends exactly or is refused (RESOURCE_EXHAUSTED with a
-retry-after hint, or UNAVAILABLE) within 5 s of arrival, none hangs, no process's resident
-memory grows by more than 200 MB over the burst, and the stack answers exactly afterwards."""
+"""160 concurrent streams against `megaserve serve` with its default flags but `--warm-up none`
+(SmolLM2, one decode and one prefill worker): every stream ends exactly or is refused
+(RESOURCE_EXHAUSTED with a retry-after hint, or UNAVAILABLE) within 5 s of arrival, none
+hangs, no process's resident memory grows by more than 200 MB over the burst, and the stack
+answers exactly afterwards."""
 
 from __future__ import annotations
 

@@ -3,14 +3,23 @@ compilation cache (the worker compiles its whole program set before it serves)."
 
 from __future__ import annotations
 
+import json
 import os
-import re
 import tempfile
 import time
 
 from megaserve_app.launch import Proc, megaserve_cmd
 
-_COMPILED = re.compile(r"programs compiled.*?programs=(\d+).*?seconds=([\d.]+)")
+
+def _compiled(lines: list[str]) -> dict:
+    """The worker's `programs compiled` log record (JSON lines), or {}."""
+    for line in reversed(lines):
+        if '"programs compiled"' in line:
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    return {}
 
 
 def bench_startup(role: str, args: list[str], cache_dir: str | None, runs: int = 2) -> list[dict]:
@@ -25,15 +34,15 @@ def bench_startup(role: str, args: list[str], cache_dir: str | None, runs: int =
         proc.wait_ready(timeout=1800)
         ready_s = time.perf_counter() - t0
         proc.stop()
-        found = [_COMPILED.search(line) for line in proc.lines]
-        found = [m for m in found if m]
+        found = _compiled(proc.lines)
         rows.append(
             {
                 "run": "cold" if i == 0 and cache_dir is None else "warm",
                 "role": role,
                 "ready_s": round(ready_s, 1),
-                "programs": int(found[-1].group(1)) if found else None,
-                "warm_up_s": float(found[-1].group(2)) if found else None,
+                "programs": found.get("programs"),
+                "warm_up_s": found.get("seconds"),
+                "by_name": found.get("by_name"),
                 "cache_dir": cache,
             }
         )
