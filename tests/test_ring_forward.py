@@ -28,8 +28,9 @@ def _rel(got, want) -> float:
 
 def test_ring_forward_equals_family_forward(mini):
     cfg = mini.cfg
-    plan = make_plan(cfg, 1, PS, 1)
-    mp = pack_megakernel(plan, mini.params)  # bf16-representable weights: packed exactly
+    # f32 rings, as the runner packs for f32 serving: the same numbers the family reads.
+    plan = make_plan(cfg, 1, PS, 1, weight_dtype=jnp.float32)
+    mp = pack_megakernel(plan, mini.params)
     forward = qwen3_moe.forward if getattr(cfg, "moe_layers", ()) else llama.forward
     pool = KVPool.create(cfg.num_layers, 12, PS, cfg.num_kv_heads, cfg.head_dim)
     ref_k, ref_v, k, v = pool.k, pool.v, pool.k, pool.v

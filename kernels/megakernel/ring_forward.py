@@ -14,9 +14,15 @@ from kernels.paged_attention import paged_attention, write_kv
 from kernels.rope import apply_rope, rope_cos_sin
 
 
+def _dot(spec: str, x, w):
+    """einsum with x in the weights' dtype and f32 accumulation: bf16 rings are read as they
+    lie (casting them to f32 activations made weight-sized temporaries: 5.5 GB for
+    Llama-3.1-8B), f32 rings give exactly the family's f32 forward."""
+    return jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
 def _mm(x, w):
-    """x @ w in x's dtype (as `llama.forward`: weights are cast to the activations)."""
-    return jnp.einsum("...d,...de->...e", x, w.astype(x.dtype))
+    return _dot("...d,...de->...e", x, w)
 
 
 def _attention(p: MegaPlan, mp, li, h, cos, sin, positions, page_table, k_cache, v_cache):
@@ -27,7 +33,7 @@ def _attention(p: MegaPlan, mp, li, h, cos, sin, positions, page_table, k_cache,
     x = rms_norm(h, vec[VecRow.LN_ATTN, : p.hidden], p.eps)
     ring_a = mp["ring_a"]
     # Group j's tile holds heads h*G+j of every kv head h: [b, t, G, Hkv, D] -> head order.
-    q = jnp.einsum("btd,gde->btge", x, ring_a[a0 : a0 + g].astype(x.dtype))[..., :kv]
+    q = _dot("btd,gde->btge", x, ring_a[a0 : a0 + g])[..., :kv]
     q = q.reshape(b, t, g, hkv, hd).transpose(0, 1, 3, 2, 4).reshape(b, t, p.num_heads, hd)
     k = _mm(x, ring_a[a0 + g])[..., :kv].reshape(b, t, hkv, hd)
     v = _mm(x, ring_a[a0 + g + 1])[..., :kv].reshape(b, t, hkv, hd)
@@ -40,7 +46,7 @@ def _attention(p: MegaPlan, mp, li, h, cos, sin, positions, page_table, k_cache,
     attn = paged_attention(q, k_cache[li], v_cache[li], positions, page_table, hd**-0.5)
     attn = attn.reshape(b, t, hkv, g, hd).transpose(0, 1, 3, 2, 4).reshape(b, t, g, kv)
     wo = mp["ring_b"][b0 : b0 + g, :kv, : p.hidden]  # [G, kv, D]
-    o = jnp.einsum("btge,ged->btd", attn, wo.astype(attn.dtype))
+    o = _dot("btge,ged->btd", attn, wo)
     return h + o, k_cache, v_cache
 
 
@@ -48,11 +54,11 @@ def _dense_mlp(p: MegaPlan, mp, li, x):
     """SwiGLU from ring A's gate/up tile pairs and ring B's down tiles (zero padding adds 0)."""
     first, f = p.a_base(li) + p.group + 2, p.ffn_tiles
     gu = mp["ring_a"][first : first + 2 * f].reshape(f, 2, p.hidden, p.ta)
-    y = jnp.einsum("btd,fjde->btfje", x, gu.astype(x.dtype))
+    y = _dot("btd,fjde->btfje", x, gu)
     act = jax.nn.silu(y[..., 0, :]) * y[..., 1, :]  # [b, t, F tiles, ta]
     b0 = p.b_base(li) + p.group
     down = mp["ring_b"][b0 : b0 + f, :, : p.hidden]  # [F tiles, ta, D]
-    return jnp.einsum("btfe,fed->btd", act, down.astype(act.dtype))
+    return _dot("btfe,fed->btd", act, down)
 
 
 def _moe_mlp(p: MegaPlan, mp, li, x):
@@ -73,12 +79,16 @@ def _moe_mlp(p: MegaPlan, mp, li, x):
     up_row = gate_row + sizes[expert]
     xs = flat[token]
     x2 = jnp.zeros((2 * xs.shape[0], d), xs.dtype).at[gate_row].set(xs).at[up_row].set(xs)
-    gu = mp["expert_gu"][mi].reshape(2 * e, d, p.moe_inter_p).astype(xs.dtype)
-    y2 = jax.lax.ragged_dot(x2, gu, jnp.repeat(sizes, 2))
+    gu = mp["expert_gu"][mi].reshape(2 * e, d, p.moe_inter_p)
+    f32 = jnp.float32
+    y2 = jax.lax.ragged_dot(
+        x2.astype(gu.dtype), gu, jnp.repeat(sizes, 2), preferred_element_type=f32
+    )
     act = jax.nn.silu(y2[gate_row]) * y2[up_row]
-    down = mp["expert_down"][mi][:, :, :d].astype(act.dtype)
-    y = jax.lax.ragged_dot(act, down, sizes) * weights.reshape(-1)[order][:, None]
-    return jnp.zeros_like(flat).at[token].add(y).reshape(b, t, d)
+    down = mp["expert_down"][mi][:, :, :d]
+    y = jax.lax.ragged_dot(act.astype(down.dtype), down, sizes, preferred_element_type=f32)
+    y = y * weights.reshape(-1)[order][:, None]
+    return jnp.zeros(flat.shape, jnp.float32).at[token].add(y).reshape(b, t, d).astype(x.dtype)
 
 
 def ring_forward(
@@ -108,5 +118,5 @@ def ring_forward(
     last = jnp.take_along_axis(h, logits_index[:, None, None], axis=1)[:, 0]
     last = rms_norm(last, mp["final_norm"][0, : p.hidden], p.eps)
     tiles = mp["ring_a"][p.lm_base : p.lm_base + p.vocab_tiles]  # [VT, D, ta]
-    logits = jnp.einsum("bd,vde->bve", last, tiles.astype(last.dtype))
+    logits = _dot("bd,vde->bve", last, tiles)
     return logits.reshape(last.shape[0], -1)[:, : p.vocab].astype(jnp.float32), k_cache, v_cache
