@@ -133,8 +133,10 @@ def moe_mlp(cfg: Qwen3MoeConfig, lp: dict, x: jnp.ndarray) -> jnp.ndarray:
         impl = moe_dense
     else:
         impl = moe_gather if t == 1 else moe_grouped
-    out = impl(lp["w_gate_up"].astype(x.dtype), lp["w_down"].astype(x.dtype), weights, idx, flat)
-    return out.reshape(b, t, d)
+    # Activations in the experts' dtype (bf16 experts are read as they lie, not cast up).
+    dt = lp["w_gate_up"].dtype
+    out = impl(lp["w_gate_up"], lp["w_down"], weights.astype(dt), idx, flat.astype(dt))
+    return out.reshape(b, t, d).astype(x.dtype)
 
 
 def forward(cfg, params, tokens, positions, k_cache, v_cache, page_table, logits_index):
