@@ -4,6 +4,7 @@ XLA inserted and the per-device memory plan."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import math
 import re
@@ -35,6 +36,7 @@ class WorkerTarget:
     kv_budget_mb: int | None = None  # None: what the device has left (see memory_plan)
     dtype: str = "bf16"
     backend: str = "auto"  # decode programs: auto | pallas | xla
+    jobs: int = 2  # programs compiling at once
 
 
 def relayout_ops(hlo: str, pool_shape: tuple[int, ...], weight_shapes: list[tuple]) -> list[str]:
@@ -183,7 +185,7 @@ def compile_worker(t: WorkerTarget) -> dict[str, Any]:
 
     if t.role not in ("decode", "prefill"):
         raise ValueError(f"--role {t.role!r} is not decode or prefill")
-    for name in ("max_running", "max_batch", "prefill_chunk", "max_context", "page_size"):
+    for name in ("max_running", "max_batch", "prefill_chunk", "max_context", "page_size", "jobs"):
         if getattr(t, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(t, name)} must be >= 1")
     dev, sharding, mesh = target_device(t.target)  # ValueError naming a bad target
@@ -202,9 +204,12 @@ def compile_worker(t: WorkerTarget) -> dict[str, Any]:
     cache_was = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
     rows = []
+    # XLA's compile of one program runs mostly on one core and releases the GIL: `jobs`
+    # programs compile at once (2 on these 2-core hosts halves the sweep).
+    pool_exec = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, t.jobs))
     try:
-        for program in programs:
-            row = _compile_one(program, sharding, mesh)
+        compiled = pool_exec.map(lambda p: _compile_one(p, sharding, mesh), programs)
+        for program, row in zip(programs, compiled):
             hlo = row.pop("_hlo", "")
             ops = relayout_ops(hlo, pool.k.shape, weight_shapes) if row["compiled"] else []
             row["relayout_ops"] = len(ops)
@@ -215,6 +220,7 @@ def compile_worker(t: WorkerTarget) -> dict[str, Any]:
             row["temp_over_pool"] = None if temp is None else round(temp / pool_bytes, 5)
             rows.append(row)
     finally:
+        pool_exec.shutdown()
         jax.config.update("jax_enable_compilation_cache", cache_was)
     temp_max = max((r.get("hbm_temp_bytes") or 0 for r in rows), default=0)
     plan = MemoryPlan(sum(weights.values()), pool_bytes, temp_max, capacity)

@@ -59,6 +59,7 @@ def add_compile_worker(ksub) -> None:
     )
     w.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
     w.add_argument("--backend", choices=("auto", "pallas", "xla"), default="auto")
+    w.add_argument("--jobs", type=int, default=2, help="programs compiling at once")
     w.add_argument("--json", action="store_true", help="print one JSON object")
     w.set_defaults(func=cmd_compile_worker)
 
@@ -72,6 +73,7 @@ def cmd_compile_worker(a: argparse.Namespace) -> int:
         config_path=a.config, target=a.target, role=a.role, max_running=a.max_running,
         max_batch=a.max_batch, prefill_chunk=a.prefill_chunk, max_context=a.max_context,
         page_size=a.page_size, kv_budget_mb=a.kv_budget_mb, dtype=a.dtype, backend=a.backend,
+        jobs=a.jobs,
     )  # fmt: skip
     try:
         res = compile_worker(t)
