@@ -302,7 +302,7 @@ def _layer(cfg, lp, h, cos, sin, positions, page_table, k_cache, v_cache, li, ml
     k_cache = write_kv(k_cache, li, k, positions, page_table)
     v_cache = write_kv(v_cache, li, v, positions, page_table)
     attn = paged_attention(
-        q, k_cache[li], v_cache[li], positions, page_table, cfg.head_dim**-0.5
+        q, k_cache, v_cache, li, positions, page_table, cfg.head_dim**-0.5
     ).reshape(b, t, cfg.q_size)
     o = mm(attn, lp["wo"])
     if cfg.o_bias:

@@ -43,7 +43,7 @@ def _attention(p: MegaPlan, mp, li, h, cos, sin, positions, page_table, k_cache,
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_cache = write_kv(k_cache, li, k, positions, page_table)
     v_cache = write_kv(v_cache, li, v, positions, page_table)
-    attn = paged_attention(q, k_cache[li], v_cache[li], positions, page_table, hd**-0.5)
+    attn = paged_attention(q, k_cache, v_cache, li, positions, page_table, hd**-0.5)
     attn = attn.reshape(b, t, hkv, g, hd).transpose(0, 1, 3, 2, 4).reshape(b, t, g, kv)
     wo = mp["ring_b"][b0 : b0 + g, :kv, : p.hidden]  # [G, kv, D]
     o = _dot("btge,ged->btd", attn, wo)
