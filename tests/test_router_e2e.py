@@ -216,14 +216,16 @@ def test_two_routers_share_sessions_and_request_ids(stack):
                     model=MODEL,
                     request_id="shared-id",
                     prompt_token_ids=pb.TokenIds(ids=list(range(4, 30))),
-                    stopping=pb.StoppingParams(max_tokens=80, ignore_eos=True),
+                    # Long enough to still be in flight when r2 is asked: with every program
+                    # compiled before serving, 80 tokens could finish first.
+                    stopping=pb.StoppingParams(max_tokens=400, ignore_eos=True),
                 ),
                 timeout=120,
             )
             next(first)
             got, details = status_of(addr2, model=MODEL, request_id="shared-id", **IDS)
             assert got == grpc.StatusCode.ALREADY_EXISTS, details
-            assert sum(len(r.token_ids) for r in first) == 79
+            assert sum(len(r.token_ids) for r in first) == 399
         turn1 = [{"role": "user", "content": "Two routers. " + LONG}]  # no block cached yet
         first = decode_counters(st, DECODE)
         _, text1, out1 = generate(

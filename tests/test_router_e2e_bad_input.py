@@ -172,7 +172,9 @@ def test_duplicate_in_flight_request_id(stack, reference):
                 model=MODEL,
                 request_id="dup-1",
                 prompt_token_ids=pb.TokenIds(ids=prompt),
-                stopping=pb.StoppingParams(max_tokens=60, ignore_eos=True),
+                # Long enough to still be in flight at the second call (every program is
+                # compiled before serving, so 60 tokens could finish first).
+                stopping=pb.StoppingParams(max_tokens=400, ignore_eos=True),
             ),
             timeout=120,
         )
@@ -180,6 +182,6 @@ def test_duplicate_in_flight_request_id(stack, reference):
         got, details = status_of(addr, model=MODEL, request_id="dup-1", **IDS)
         assert got == grpc.StatusCode.ALREADY_EXISTS and "'dup-1'" in details
         ids = list(head.token_ids) + [t for r in first for t in r.token_ids]
-    assert ids == gen.generate(prompt, 60, SamplingParams(), ignore_eos=True).token_ids
+    assert ids == gen.generate(prompt, 400, SamplingParams(), ignore_eos=True).token_ids
     assert status_of(addr, model=MODEL, request_id="dup-1", **IDS)[0] == grpc.StatusCode.OK
     pools_idle(st)

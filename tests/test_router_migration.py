@@ -18,7 +18,7 @@ from megaserve.v1 import generation_pb2_grpc as pbg
 from tests.redis_server import RedisServer
 from tests.stack import Stack, make_chat_checkpoint, tokens_equal_report, wait_router_view
 
-N_TOKENS = 160
+N_TOKENS = 400  # long enough that streams are still running when a worker is killed
 
 
 @pytest.fixture
