@@ -25,10 +25,15 @@ class Program:
 
     @property
     def label(self) -> str:
-        return f"{self.name}[{','.join(map(str, self.key))}]"
+        return label(self.name, self.key)
 
     def lower(self):
         return self.fn.lower(*self.args)
+
+
+def label(name: str, key: tuple) -> str:
+    """A program's name and shape key as logs and reports print it: decode[8,16,1]."""
+    return f"{name}[{','.join(map(str, key))}]"
 
 
 def abstract(tree: Any, sharding: Any = None) -> Any:
@@ -75,5 +80,5 @@ class ProgramCache:
             exe = self.executables[name, key] = fn.lower(*args).compile()
             self.late_compiles += 1
             if self.on_late is not None:
-                self.on_late(f"{name}[{','.join(map(str, key))}]")
+                self.on_late(label(name, key))
         return exe(*args)

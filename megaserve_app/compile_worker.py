@@ -86,8 +86,8 @@ def _setup(t: WorkerTarget, kv_pages: int):
     from decode_service.scheduler import SchedulerConfig
     from kernels.kv_cache import KVPool
     from kernels.megakernel.aot import load_config
-    from kernels.megakernel.plan import unsupported
     from kernels.registry import family_for
+    from megaserve.runner.factory import choose_backend
     from megaserve.runner.pallas import MegakernelRunner
     from megaserve.runner.xla import XlaRunner
     from prefill_service import engine as prefill_engine
@@ -100,18 +100,13 @@ def _setup(t: WorkerTarget, kv_pages: int):
     kv = jax.ShapeDtypeStruct(shape, dtype)
     pool = KVPool(kv, kv, cfg.num_kv_heads, cfg.head_dim)
     max_pages = math.ceil(t.max_context / t.page_size)
-    why_not = unsupported(cfg, t.page_size)
     if t.role == "prefill":
         backend, why = "xla", "prefill programs are XLA on every backend"
         step = prefill_engine.step_config(_prefill_cfg(t), max_pages)
         runner = XlaRunner(family, cfg, params, pool, step)
         return prefill_engine.engine_programs(runner, pool, max_pages), runner, pool, backend, why
-    backend = t.backend
-    if backend == "auto":
-        backend = "xla" if why_not else "pallas"
-    why = why_not or "the megakernel supports this config"
-    if backend == "pallas" and why_not:
-        raise ValueError(f"--backend pallas: {why_not}")
+    # The worker's own choice, for a TPU target (a BackendError is a ValueError: exit 2).
+    backend, why = choose_backend(cfg, t.page_size, t.backend, platform="tpu")
     sched = SchedulerConfig(max_running=t.max_running, prefill_chunk=t.prefill_chunk)
     step = decode_programs.step_config(sched, t.max_running, max_pages)
     if backend == "pallas":
@@ -193,8 +188,7 @@ def compile_worker(t: WorkerTarget) -> dict[str, Any]:
     capacity = device_hbm_bytes(dev, t.target)
     _, runner, pool, _, _ = _setup(t, 2)  # sizes only: weights, bytes per page
     weights = _weights_bytes(runner)
-    bytes_per_page = 2 * int(np.prod(pool.k.shape[2:])) * pool.k.shape[0]
-    bytes_per_page *= np.dtype(pool.k.dtype).itemsize
+    bytes_per_page = pool.bytes_per_page
     pages = _pool_pages(t, capacity, sum(weights.values()), bytes_per_page)
     programs, runner, pool, backend, why = _setup(t, pages)
     resident = [runner.params, getattr(runner, "mparams", None)]

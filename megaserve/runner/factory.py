@@ -23,9 +23,12 @@ def default_backend() -> str:
     return "pallas" if jax.default_backend() == "tpu" else "xla"
 
 
-def choose_backend(cfg: Any, page_size: int, requested: str | None = "auto") -> tuple[str, str]:
+def choose_backend(
+    cfg: Any, page_size: int, requested: str | None = "auto", platform: str | None = None
+) -> tuple[str, str]:
     """(backend, why) for a --backend value: `auto` is the megakernel on TPU when it supports
-    the config, XLA otherwise; an explicit `pallas` the config cannot take is a BackendError."""
+    the config, XLA otherwise; an explicit `pallas` the config cannot take is a BackendError.
+    `platform` defaults to this process's (`compile-worker` passes its target's)."""
     from kernels.megakernel.plan import unsupported
 
     requested = requested or "auto"
@@ -38,7 +41,7 @@ def choose_backend(cfg: Any, page_size: int, requested: str | None = "auto") -> 
         return "pallas", "requested"
     if requested == "xla":
         return "xla", "requested"
-    platform = jax.default_backend()
+    platform = platform or jax.default_backend()
     if platform != "tpu":
         return "xla", f"auto: platform {platform!r} is not TPU"
     if why_not:
