@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from megaserve.memory_plan import MemoryPlan, default_kv_budget, tree_bytes
+from megaserve.memory_plan import MemoryPlan, default_kv_budget
 
 # HBM per JAX device when the compiler cannot be asked (see `device_hbm_bytes`): a TPU7x
 # chip's two TensorCores are separate devices with half the chip's HBM each.
@@ -128,13 +128,6 @@ def _prefill_cfg(t: WorkerTarget):
     )  # fmt: skip
 
 
-def _weights_bytes(runner) -> dict[str, int]:
-    out = {"xla_params": tree_bytes(runner.params)}
-    if hasattr(runner, "mparams"):
-        out["megakernel_rings"] = tree_bytes(runner.mparams)
-    return {k: v for k, v in out.items() if v}  # the pallas runner holds the rings only
-
-
 def _pool_pages(t: WorkerTarget, capacity: int, weights: int, bytes_per_page: int) -> int:
     """Pages of the pool: from --kv-budget-mb, else what the device has left after weights,
     the margin and the program-temp allowance (`megaserve.memory_plan`, as a worker does)."""
@@ -177,6 +170,7 @@ def compile_worker(t: WorkerTarget) -> dict[str, Any]:
     import jax
 
     from kernels.megakernel.target import target_device
+    from megaserve.runner.warm import weight_copies
 
     if t.role not in ("decode", "prefill"):
         raise ValueError(f"--role {t.role!r} is not decode or prefill")
@@ -187,7 +181,7 @@ def compile_worker(t: WorkerTarget) -> dict[str, Any]:
     t0 = time.perf_counter()
     capacity = device_hbm_bytes(dev, t.target)
     _, runner, pool, _, _ = _setup(t, 2)  # sizes only: weights, bytes per page
-    weights = _weights_bytes(runner)
+    weights = weight_copies(runner)
     bytes_per_page = pool.bytes_per_page
     pages = _pool_pages(t, capacity, sum(weights.values()), bytes_per_page)
     programs, runner, pool, backend, why = _setup(t, pages)

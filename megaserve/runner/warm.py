@@ -15,10 +15,13 @@ from megaserve.runner.base import Runner
 log = structlog.get_logger("megaserve.programs")
 
 
-def resident_weights(runner: Runner) -> int:
-    """Bytes of every weight copy the runner holds (the megakernel's rings beside the XLA
-    params on the pallas backend)."""
-    return tree_bytes(runner.params) + tree_bytes(getattr(runner, "mparams", {}))
+def weight_copies(runner: Runner) -> dict[str, int]:
+    """Bytes of each weight copy the runner holds on the device: the XLA params, and on the
+    pallas backend the megakernel's rings (then the only copy)."""
+    out = {"xla_params": tree_bytes(runner.params)}
+    if hasattr(runner, "mparams"):
+        out["megakernel_rings"] = tree_bytes(runner.mparams)
+    return {k: v for k, v in out.items() if v}
 
 
 def warm_up(
@@ -38,7 +41,7 @@ def warm_up(
     log.info("programs compiled", programs=n, seconds=round(secs, 1), by_name=counts)
     exes = [*pool.programs_run.executables.values(), *runner.programs_run.executables.values()]
     pool_bytes = tree_bytes((pool.k, pool.v))
-    plan = after_warm_up(plan, resident_weights(runner), pool_bytes, exes)
+    plan = after_warm_up(plan, sum(weight_copies(runner).values()), pool_bytes, exes)
     log.info("memory plan", **plan.as_dict())
     for cache in (pool.programs_run, runner.programs_run):
         cache.on_late = lambda label: log.warning(

@@ -37,7 +37,7 @@ class XlaRunner(Runner):
     Its whole program set is `programs()`: decode per (batch, page width), prefill per
     (rows, chunk) at the full page width, and `pick` (penalized sampling from the logits)
     per batch. Penalties run as that separate small program so they do not double the
-    decode and prefill sets. `warm_up()` compiles the set before serving.
+    decode and prefill sets. `megaserve.runner.warm` compiles the set before serving.
     """
 
     family: ModuleType
@@ -121,10 +121,6 @@ class XlaRunner(Runner):
             args = (_sds((b, vocab), np.float32), s, _sds((b,), i32))
             out.append(Program("pick", (b,), self._pick, args))
         return out
-
-    def warm_up(self) -> tuple[int, float]:
-        """Compiles (or loads from the persistent cache) every program; (count, seconds)."""
-        return self.programs_run.warm(self.programs())
 
     def _run(self, name: str, key: tuple, fn, *args):
         self.program_keys.add((name, *key))
