@@ -21,13 +21,12 @@ from decode_service.reservations import Reservation, Reservations
 from decode_service.scheduler import Scheduler, SchedulerConfig
 from decode_service.sequence import Sequence
 from decode_service.step_failures import StepFailures
-from kernels.kv_cache import KVPool
 from kernels.programs import Program
 from megaserve.errors import DuplicateRequest, NoCapacity, RequestError, check_prompt_ids
 from megaserve.finish import FinishReason
 from megaserve.kv.allocator import PageAllocator
 from megaserve.kv.pages import pages_for_tokens
-from megaserve.memory_plan import start_plan, tree_bytes
+from megaserve.memory_plan import planned_pool
 from megaserve.model import LoadedModel
 from megaserve.runner.batch import TokenBatch
 from megaserve.runner.factory import make_runner
@@ -65,15 +64,7 @@ class DecodeEngine(Emission, StepFailures):
         mc = model.cfg
         # Checked before the pool is allocated (exit 2 naming the terms when it cannot fit),
         # and again after warm-up with every weight copy and the largest program temp.
-        self.memory = start_plan(tree_bytes(model.params), cfg.kv_budget_bytes)
-        self.pool = KVPool.for_budget(
-            mc.num_layers,
-            cfg.page_size,
-            mc.num_kv_heads,
-            mc.head_dim,
-            self.memory.kv_pool,
-            model.params["embed"].dtype,
-        )
+        self.memory, self.pool = planned_pool(model, cfg.page_size, cfg.kv_budget_bytes)
         self.alloc = PageAllocator(self.pool.num_pages, cfg.page_size)
         self.max_pages_per_seq = math.ceil(cfg.max_context / cfg.page_size)
         step_cfg = step_config(cfg.scheduler, cfg.scheduler.max_running, self.max_pages_per_seq)

@@ -121,3 +121,17 @@ def after_warm_up(plan: MemoryPlan, weights: int, kv_pool: int, executables) -> 
     done = MemoryPlan(weights, kv_pool, temp_bytes(executables), plan.capacity)
     done.check()
     return done
+
+
+def planned_pool(model: Any, page_size: int, requested_kv: int | None):
+    """(the start plan, the KV pool it sizes) for a worker of `model` (a LoadedModel): the
+    plan is checked before the pool is allocated, so a pool that cannot fit is never made."""
+    from kernels.kv_cache import KVPool
+
+    mc = model.cfg
+    plan = start_plan(tree_bytes(model.params), requested_kv)
+    pool = KVPool.for_budget(
+        mc.num_layers, page_size, mc.num_kv_heads, mc.head_dim, plan.kv_pool,
+        model.params["embed"].dtype,
+    )  # fmt: skip
+    return plan, pool

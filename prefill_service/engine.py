@@ -18,7 +18,7 @@ from megaserve.errors import NoCapacity, RequestError, check_prompt_ids
 from megaserve.kv.allocator import PageAllocator
 from megaserve.kv.block_hash import block_hashes
 from megaserve.kv.pages import claim_pages, pages_for_tokens
-from megaserve.memory_plan import start_plan, tree_bytes
+from megaserve.memory_plan import planned_pool
 from megaserve.model import LoadedModel
 from megaserve.runner.base import Runner
 from megaserve.runner.batch import TokenBatch
@@ -98,15 +98,7 @@ class PrefillEngine:
         mc = model.cfg
         # Checked before the pool is allocated (exit 2 naming the terms when it cannot fit),
         # and again after warm-up with every weight copy and the largest program temp.
-        self.memory = start_plan(tree_bytes(model.params), cfg.kv_budget_bytes)
-        self.pool = KVPool.for_budget(
-            mc.num_layers,
-            cfg.page_size,
-            mc.num_kv_heads,
-            mc.head_dim,
-            self.memory.kv_pool,
-            model.params["embed"].dtype,
-        )
+        self.memory, self.pool = planned_pool(model, cfg.page_size, cfg.kv_budget_bytes)
         self.alloc = PageAllocator(self.pool.num_pages, cfg.page_size)
         self.max_pages = math.ceil(cfg.max_context / cfg.page_size)
         self.runner = make_runner(
