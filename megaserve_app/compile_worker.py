@@ -12,9 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from megaserve.memory_plan import MemoryPlan, default_kv_budget
+from megaserve_app.relayouts import relayout_ops
 
 # HBM per JAX device when the compiler cannot be asked (see `device_hbm_bytes`): a TPU7x
 # chip's two TensorCores are separate devices with half the chip's HBM each.
@@ -37,25 +36,6 @@ class WorkerTarget:
     dtype: str = "bf16"
     backend: str = "auto"  # decode programs: auto | pallas | xla
     jobs: int = 2  # programs compiling at once
-
-
-def relayout_ops(hlo: str, pool_shape: tuple[int, ...], weight_shapes: list[tuple]) -> list[str]:
-    """Copies, transposes and layout custom-calls on the pool or a weight: results with the
-    same dims as the pool or a weight in any order, or as many elements as the pool."""
-    dims = {tuple(sorted(s)) for s in [pool_shape, *weight_shapes]}
-    pool_size = int(np.prod(pool_shape))
-    out = []
-    op = re.compile(r"=\s*\w+\[([\d,]*)\][^\s]*\s+(copy|transpose|custom-call)\(")
-    for line in hlo.splitlines():
-        m = op.search(line)
-        if not m or not m.group(1):
-            continue
-        if m.group(2) == "custom-call" and not re.search(r"(?i)layout|format", line):
-            continue
-        shape = tuple(int(d) for d in m.group(1).split(","))
-        if tuple(sorted(shape)) in dims or int(np.prod(shape)) == pool_size:
-            out.append(line.strip()[:200])
-    return out
 
 
 def device_hbm_bytes(device, target: str) -> int:

@@ -25,6 +25,19 @@ def _mm(x, w):
     return _dot("...d,...de->...e", x, w)
 
 
+def _tiles(x, tiles):
+    """x [..., D] times each tile of tiles [n, D, e] -> f32 [..., n, e].
+
+    The tile index is the batch dim of both sides (x broadcast: n x rows x D, activations):
+    with it free on the weight side alone, XLA re-laid out the tiles first, a copy of every
+    q tile of every layer and a 623 MB data-format call of the vocab head per prefill call
+    (Qwen3-30B-A3B on tpu7x)."""
+    lead, n = x.shape[:-1], tiles.shape[0]
+    flat = x.reshape(-1, x.shape[-1])
+    y = _dot("nrd,nde->nre", jnp.broadcast_to(flat[None], (n, *flat.shape)), tiles)
+    return jnp.moveaxis(y, 0, 1).reshape(*lead, n, tiles.shape[-1])
+
+
 def _attention(p: MegaPlan, mp, li, h, cos, sin, positions, page_table, k_cache, v_cache):
     """One layer's attention from ring A (q groups, k, v) and ring B (o_proj groups)."""
     b, t, _ = h.shape
@@ -33,7 +46,7 @@ def _attention(p: MegaPlan, mp, li, h, cos, sin, positions, page_table, k_cache,
     x = rms_norm(h, vec[VecRow.LN_ATTN, : p.hidden], p.eps)
     ring_a = mp["ring_a"]
     # Group j's tile holds heads h*G+j of every kv head h: [b, t, G, Hkv, D] -> head order.
-    q = _dot("btd,gde->btge", x, ring_a[a0 : a0 + g])[..., :kv]
+    q = _tiles(x, ring_a[a0 : a0 + g])[..., :kv]
     q = q.reshape(b, t, g, hkv, hd).transpose(0, 1, 3, 2, 4).reshape(b, t, p.num_heads, hd)
     k = _mm(x, ring_a[a0 + g])[..., :kv].reshape(b, t, hkv, hd)
     v = _mm(x, ring_a[a0 + g + 1])[..., :kv].reshape(b, t, hkv, hd)
@@ -53,12 +66,41 @@ def _attention(p: MegaPlan, mp, li, h, cos, sin, positions, page_table, k_cache,
 def _dense_mlp(p: MegaPlan, mp, li, x):
     """SwiGLU from ring A's gate/up tile pairs and ring B's down tiles (zero padding adds 0)."""
     first, f = p.a_base(li) + p.group + 2, p.ffn_tiles
-    gu = mp["ring_a"][first : first + 2 * f].reshape(f, 2, p.hidden, p.ta)
-    y = _dot("btd,fjde->btfje", x, gu)
+    y = _tiles(x, mp["ring_a"][first : first + 2 * f])  # [b, t, 2F, ta]: gate, up per tile
+    y = y.reshape(*y.shape[:-2], f, 2, p.ta)
     act = jax.nn.silu(y[..., 0, :]) * y[..., 1, :]  # [b, t, F tiles, ta]
     b0 = p.b_base(li) + p.group
     down = mp["ring_b"][b0 : b0 + f, :, : p.hidden]  # [F tiles, ta, D]
     return _dot("btfe,fed->btd", act, down)
+
+
+def _layer_ragged_dot(x, stack, sizes, layer: int):
+    """Rows of x (grouped by expert, `sizes` rows each) times layer `layer`'s experts.
+
+    On TPU the whole stack goes to one ragged matmul, with empty groups for every other
+    layer: a layer's slice of the stack, the operand a grouped matmul cannot read in place,
+    was a weight-sized copy per layer (the tpu7x compile of Qwen3-30B-A3B's prefill asked for
+    133.9 GB of temporaries). Empty groups cost no tiles. Elsewhere (CPU's ragged_dot expands
+    every group) the layer's slice is read.
+
+    Args:
+      x: [N, K] rows sorted by group; stack: [M, G, K, Nout] (layers x groups); sizes: i32[G].
+    Returns:
+      f32[N, Nout].
+    """
+    m, g = stack.shape[:2]
+    x = x.astype(stack.dtype)
+    f32 = jnp.float32
+
+    def whole(x, stack, sizes):
+        every = jax.lax.dynamic_update_slice(jnp.zeros((m * g,), jnp.int32), sizes, (layer * g,))
+        flat = stack.reshape(m * g, *stack.shape[2:])
+        return jax.lax.ragged_dot(x, flat, every, preferred_element_type=f32)
+
+    def sliced(x, stack, sizes):
+        return jax.lax.ragged_dot(x, stack[layer], sizes, preferred_element_type=f32)
+
+    return jax.lax.platform_dependent(x, stack, sizes, tpu=whole, default=sliced)
 
 
 def _moe_mlp(p: MegaPlan, mp, li, x):
@@ -79,14 +121,11 @@ def _moe_mlp(p: MegaPlan, mp, li, x):
     up_row = gate_row + sizes[expert]
     xs = flat[token]
     x2 = jnp.zeros((2 * xs.shape[0], d), xs.dtype).at[gate_row].set(xs).at[up_row].set(xs)
-    gu = mp["expert_gu"][mi].reshape(2 * e, d, p.moe_inter_p)
-    f32 = jnp.float32
-    y2 = jax.lax.ragged_dot(
-        x2.astype(gu.dtype), gu, jnp.repeat(sizes, 2), preferred_element_type=f32
-    )
+    gu = mp["expert_gu"]  # [M, E, 2, D, I]: viewed as [M, 2E, D, I]
+    gu = gu.reshape(gu.shape[0], 2 * e, *gu.shape[3:])
+    y2 = _layer_ragged_dot(x2, gu, jnp.repeat(sizes, 2), mi)
     act = jax.nn.silu(y2[gate_row]) * y2[up_row]
-    down = mp["expert_down"][mi][:, :, :d]
-    y = jax.lax.ragged_dot(act.astype(down.dtype), down, sizes, preferred_element_type=f32)
+    y = _layer_ragged_dot(act, mp["expert_down"], sizes, mi)[:, :d]
     y = y * weights.reshape(-1)[order][:, None]
     return jnp.zeros(flat.shape, jnp.float32).at[token].add(y).reshape(b, t, d).astype(x.dtype)
 
@@ -118,5 +157,5 @@ def ring_forward(
     last = jnp.take_along_axis(h, logits_index[:, None, None], axis=1)[:, 0]
     last = rms_norm(last, mp["final_norm"][0, : p.hidden], p.eps)
     tiles = mp["ring_a"][p.lm_base : p.lm_base + p.vocab_tiles]  # [VT, D, ta]
-    logits = _dot("bd,vde->bve", last, tiles)
+    logits = _tiles(last, tiles)  # [B, VT, ta]
     return logits.reshape(last.shape[0], -1)[:, : p.vocab].astype(jnp.float32), k_cache, v_cache
