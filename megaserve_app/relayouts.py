@@ -27,18 +27,23 @@ class _Instr:
     line: str
 
 
+def _closing(s: str, depth: int = 0) -> int:
+    """Index of the parenthesis that brings `depth` (open ones before s) back to 0."""
+    for i, c in enumerate(s):
+        depth += c == "("
+        depth -= c == ")"
+        if depth == 0:
+            return i
+    return len(s)
+
+
 def _split_type(rest: str) -> tuple[str, str]:
     """(result type, what follows) of an instruction's right-hand side."""
     if not rest.startswith("("):
         head, _, tail = rest.partition(" ")
         return head, tail
-    depth = 0
-    for i, c in enumerate(rest):
-        depth += c == "("
-        depth -= c == ")"
-        if depth == 0:
-            return rest[: i + 1], rest[i + 1 :].lstrip()
-    return rest, ""
+    end = _closing(rest) + 1
+    return rest[:end], rest[end:].lstrip()
 
 
 def _computations(hlo: str) -> dict[str, str]:
@@ -70,13 +75,7 @@ def _entry(hlo: str) -> list[_Instr]:
             continue
         ty, tail = _split_type(line[m.end() :])
         op, _, args = tail.partition("(")
-        depth, end = 1, len(args)
-        for i, c in enumerate(args):
-            depth += c == "("
-            depth -= c == ")"
-            if depth == 0:
-                end = i
-                break
+        end = _closing(args, depth=1)
         arrays = tuple(
             (tuple(int(d) for d in a.group(2).split(",")), a.group(3) or "")
             for a in _ARRAY.finditer(ty)
