@@ -121,7 +121,7 @@ def narrow_worker(tiny_model):
             backend="pallas",
             vmem_budget_bytes=budget,
             # f32 matmul inputs: the f32 reference's arithmetic, so tokens compare exactly
-            # (bf16 inputs flip near-tied argmaxes; the parity tests bound that separately).
+            # (bf16 inputs flipped a near-tied argmax here).
             kernel_matmul_dtype=jnp.float32,
             scheduler=SchedulerConfig(max_running=MAX_RUNNING, max_waiting=24, prefill_chunk=32),
         ),
