@@ -91,6 +91,12 @@ def _entry(hlo: str) -> list[_Instr]:
     return out
 
 
+# Buffers below this many elements (512 KB in bf16) are activations or norm rows, whatever
+# weight they were computed from (a batch-1 token's hidden row has a norm weight's dims).
+_SMALL = 2**18
+_VMEM = "S(1)"
+
+
 def _tiling(layout: str) -> str:
     """The minor-to-major order and tiling of a layout, without its memory space."""
     return re.sub(r"S\(\d+\)", "", layout)
@@ -126,7 +132,11 @@ def relayout_ops(hlo: str, pool_shape: tuple[int, ...], weight_shapes: list[tupl
             source[ins.name] = srcs[0]
             continue
         relaid = any(_tiling(lay) != _tiling(src_layout) for _, lay in ins.arrays)
-        big = any(math.prod(d) >= layer for d, _ in ins.arrays)
+        big = any(math.prod(d) >= max(layer, _SMALL) for d, _ in ins.arrays)
+        if all(_VMEM in lay for _, lay in ins.arrays) and ins.op != "custom-call":
+            # Loaded into VMEM (re-tiled for the MXU on the way, as XLA feeds every matmul):
+            # the resident copy stays the only one in HBM, and VMEM cannot hold a weight.
+            continue
         if ins.op in ("copy", "transpose", "reshape"):
             hbm_to_hbm = not any("S(" in lay for _, lay in ins.arrays)
             hit = relaid or hbm_to_hbm

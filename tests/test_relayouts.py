@@ -1,7 +1,7 @@
 """The re-layout check compile-worker reports, on programs compiled for tpu7x: a grouped
 matmul over one layer's slice of stacked experts re-lays the slice out (flagged), the same
-matmul over the whole stack with other layers' groups empty does not, nor does a pool's
-in-place page write."""
+matmul over the whole stack with other layers' groups empty does not (XLA's ragged matmul or
+megablox gmm), nor does a pool's in-place page write."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 
 pytestmark = pytest.mark.tpu_compile
 
-L, E, D, I = 4, 16, 512, 256  # layers, experts, hidden, expert width
+# A layer of experts (64 MB) larger than VMEM: smaller ones are re-tiled into VMEM instead.
+L, E, D, I = 4, 64, 1024, 512  # layers, experts, hidden, expert width
 
 
 def _hlo(fn, *shapes):
@@ -22,13 +23,17 @@ def _hlo(fn, *shapes):
     return jax.jit(fn, donate_argnums=(0,)).trace(*args).lower().compile().as_text()
 
 
-def _experts(layer_slice: bool) -> str:
+def _experts(layer_slice: bool, gmm: bool = False) -> str:
     import jax
     import jax.numpy as jnp
 
+    from kernels.megakernel.ring_forward import stack_gmm
+
     def f(x, w, sizes):
         for li in range(3):
-            if layer_slice:
+            if gmm:
+                y = stack_gmm(x, w, sizes, li)
+            elif layer_slice:
                 y = jax.lax.ragged_dot(x, w[li], sizes, preferred_element_type=jnp.float32)
             else:
                 every = jnp.zeros((L * E,), jnp.int32).at[li * E : (li + 1) * E].set(sizes)
@@ -52,6 +57,13 @@ def test_the_whole_stack_with_empty_groups_is_not():
     from megaserve_app.relayouts import relayout_ops
 
     assert relayout_ops(_experts(False), (1, 1), [(L, E, D, I)]) == []
+
+
+def test_the_ring_prefill_grouped_matmul_is_not():
+    """`stack_gmm` (megablox gmm over the whole stack, as the TPU ring prefill runs it)."""
+    from megaserve_app.relayouts import relayout_ops
+
+    assert relayout_ops(_experts(False, gmm=True), (1, 1), [(L, E, D, I)]) == []
 
 
 def test_in_place_page_writes_are_not_flagged_but_a_pool_copy_is():

@@ -12,7 +12,7 @@ from kernels import llama, qwen3_moe
 from kernels.kv_cache import KVPool
 from kernels.megakernel.pack import pack_megakernel
 from kernels.megakernel.plan import make_plan
-from kernels.megakernel.ring_forward import ring_forward
+from kernels.megakernel.ring_forward import ring_forward, stack_gmm
 from tests.megakernel_minis import PS, mini_model
 
 
@@ -69,3 +69,20 @@ def test_ring_forward_keeps_the_pool_dtype(mini):
     pos = np.arange(3, dtype=np.int32)[None]
     _, k, _ = ring_forward(plan, mp, tokens, pos, pool.k, pool.v, np.array([[1]]), np.array([2]))
     assert k.dtype == jnp.bfloat16 and k.shape == pool.k.shape
+
+
+@pytest.mark.parametrize("layer", [0, 2])
+def test_stack_gmm_reads_one_layer_of_the_stack(layer):
+    """The TPU path's grouped matmul (megablox gmm, TPU interpreter) over the whole stack
+    equals XLA's ragged matmul over the layer's slice: empty groups, rows not a tile multiple,
+    K and N not a multiple of 512, the layer a traced index as inside a jit."""
+    rng = np.random.default_rng(layer)
+    m, g, k, n = 3, 6, 384, 256
+    stack = jnp.asarray(rng.standard_normal((m, g, k, n)), jnp.float32)
+    sizes = jnp.asarray([5, 0, 17, 0, 1, 30], jnp.int32)  # 53 rows, two empty groups
+    x = jnp.asarray(rng.standard_normal((53, k)), jnp.float32)
+    got = jax.jit(lambda x, s, z, li: stack_gmm(x, s, z, li, interpret=True))(
+        x, stack, sizes, jnp.int32(layer)
+    )
+    want = jax.lax.ragged_dot(x, stack[layer], sizes, precision=jax.lax.Precision.HIGHEST)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-4)

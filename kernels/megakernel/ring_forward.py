@@ -21,10 +21,6 @@ def _dot(spec: str, x, w):
     return jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
-def _mm(x, w):
-    return _dot("...d,...de->...e", x, w)
-
-
 def _tiles(x, tiles):
     """x [..., D] times each tile of tiles [n, D, e] -> f32 [..., n, e].
 
@@ -45,11 +41,14 @@ def _attention(p: MegaPlan, mp, li, h, cos, sin, positions, page_table, k_cache,
     vec = mp["vec"][li]
     x = rms_norm(h, vec[VecRow.LN_ATTN, : p.hidden], p.eps)
     ring_a = mp["ring_a"]
+    # One batched matmul over the q groups, k and v tiles: k and v as plain matmuls had XLA
+    # re-tile both tiles of every layer into HBM first (192 MB for Qwen3-30B-A3B on tpu7x).
+    qkv = _tiles(x, ring_a[a0 : a0 + g + 2])[..., :kv]  # [b, t, G + 2, kv]
     # Group j's tile holds heads h*G+j of every kv head h: [b, t, G, Hkv, D] -> head order.
-    q = _tiles(x, ring_a[a0 : a0 + g])[..., :kv]
-    q = q.reshape(b, t, g, hkv, hd).transpose(0, 1, 3, 2, 4).reshape(b, t, p.num_heads, hd)
-    k = _mm(x, ring_a[a0 + g])[..., :kv].reshape(b, t, hkv, hd)
-    v = _mm(x, ring_a[a0 + g + 1])[..., :kv].reshape(b, t, hkv, hd)
+    q = qkv[..., :g, :].reshape(b, t, g, hkv, hd).transpose(0, 1, 3, 2, 4)
+    q = q.reshape(b, t, p.num_heads, hd)
+    k = qkv[..., g, :].reshape(b, t, hkv, hd)
+    v = qkv[..., g + 1, :].reshape(b, t, hkv, hd)
     if p.qk_norm:  # packed once per kv head; the first copy is the head's weight
         q = rms_norm(q, vec[VecRow.Q_NORM, :hd], p.eps)
         k = rms_norm(k, vec[VecRow.K_NORM, :hd], p.eps)
@@ -74,33 +73,58 @@ def _dense_mlp(p: MegaPlan, mp, li, x):
     return _dot("btfe,fed->btd", act, down)
 
 
-def _layer_ragged_dot(x, stack, sizes, layer: int):
-    """Rows of x (grouped by expert, `sizes` rows each) times layer `layer`'s experts.
+def _divisor_tile(n: int) -> int:
+    """The largest of 512, 256, 128 dividing n (else n itself: one whole block)."""
+    return next((t for t in (512, 256, 128) if n % t == 0), n)
 
-    On TPU the whole stack goes to one ragged matmul, with empty groups for every other
-    layer: a layer's slice of the stack, the operand a grouped matmul cannot read in place,
-    was a weight-sized copy per layer (the tpu7x compile of Qwen3-30B-A3B's prefill asked for
-    133.9 GB of temporaries). Empty groups cost no tiles. Elsewhere (CPU's ragged_dot expands
-    every group) the layer's slice is read.
+
+def stack_gmm(x, stack, sizes, layer, interpret: bool = False):
+    """Rows of x (grouped, `sizes` rows per group) times layer `layer`'s groups of a stack,
+    read in place: megablox `gmm` over the whole stack viewed as [M*G, K, N], every other
+    layer's groups empty, so its block index maps DMA the layer's experts straight from HBM
+    and no slice of the stack is ever made.
 
     Args:
-      x: [N, K] rows sorted by group; stack: [M, G, K, Nout] (layers x groups); sizes: i32[G].
+      x: [N, K] rows sorted by group; stack: [M, G, K, Nout]; sizes: i32[G]; layer: int or
+      i32[] (inside a scan over layers).
     Returns:
       f32[N, Nout].
     """
-    m, g = stack.shape[:2]
-    x = x.astype(stack.dtype)
-    f32 = jnp.float32
+    from jax.experimental.pallas.ops.tpu.megablox import gmm
 
-    def whole(x, stack, sizes):
-        every = jax.lax.dynamic_update_slice(jnp.zeros((m * g,), jnp.int32), sizes, (layer * g,))
-        flat = stack.reshape(m * g, *stack.shape[2:])
-        return jax.lax.ragged_dot(x, flat, every, preferred_element_type=f32)
+    m, g, k, n = stack.shape
+    rows = x.shape[0]
+    tm = min(128, -(-rows // 8) * 8)
+    padded = -(-rows // tm) * tm  # gmm tiles rows exactly; rows past the groups are unused
+    x = jnp.pad(x.astype(stack.dtype), ((0, padded - rows), (0, 0)))
+    every = jax.lax.dynamic_update_slice(jnp.zeros((m * g,), jnp.int32), sizes, (layer * g,))
+    tiling = (tm, _divisor_tile(k), _divisor_tile(n))
+    y = gmm(x, stack.reshape(m * g, k, n), every, jnp.float32, tiling, interpret=interpret)
+    return y[:rows]
+
+
+def _layer_ragged_dot(x, stack, sizes, layer):
+    """Rows of x (grouped by expert, `sizes` rows each) times layer `layer`'s experts.
+
+    On TPU, `stack_gmm` (a layer's slice of the stack, the operand XLA's ragged matmul cannot
+    read in place, was a weight-sized copy per layer: the tpu7x compile of Qwen3-30B-A3B's
+    prefill asked for 133.9 GB of temporaries; the whole stack in one ragged matmul with
+    empty groups compiled for minutes per layer). Elsewhere (CPU) the layer's slice is read.
+
+    Args:
+      x: [N, K] rows sorted by group; stack: [M, G, K, Nout] (layers x groups); sizes: i32[G];
+      layer: int or i32[] (inside a scan).
+    Returns:
+      f32[N, Nout].
+    """
 
     def sliced(x, stack, sizes):
-        return jax.lax.ragged_dot(x, stack[layer], sizes, preferred_element_type=f32)
+        x = x.astype(stack.dtype)
+        return jax.lax.ragged_dot(x, stack[layer], sizes, preferred_element_type=jnp.float32)
 
-    return jax.lax.platform_dependent(x, stack, sizes, tpu=whole, default=sliced)
+    return jax.lax.platform_dependent(
+        x, stack, sizes, tpu=lambda *a: stack_gmm(*a, layer), default=sliced
+    )
 
 
 def _moe_mlp(p: MegaPlan, mp, li, x):
