@@ -4,6 +4,7 @@ without the kernel (VMEM budget, refusals, HBM floor) is in tests/test_megakerne
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 import jax
@@ -57,10 +58,12 @@ POSITIONS = np.array([40, 16, 0, -1], np.int32)
 TOKENS = np.array([3, 9, 11, 0], np.int32)
 
 
-def test_one_step_matches_reference(mini):
+@pytest.mark.parametrize("block_keys", [256, 32])
+def test_one_step_matches_reference(mini, block_keys):
+    """block_keys 32: K/V blocks of 2 pages, so row 0's 3 pages are a full and a half block."""
     m, hf = mini
     cfg = m.cfg
-    plan = make_plan(cfg, 4, PS, 4)
+    plan = make_plan(cfg, 4, PS, 4, block_keys=block_keys)
     mp = pack_megakernel(plan, m.params)
     k, v = _pool(cfg, 9)
     # The same arguments for both: the reference ignores `interpret`.
@@ -212,7 +215,8 @@ def test_greedy_32_steps_with_rows_joining_and_leaving(mini):
     summation order, so a near-tie cannot flip a token and any divergence is a logic bug.
     """
     m, hf = mini
-    plan = make_plan(m.cfg, 4, PS, 4, act_dtype=jnp.float32)
+    # Blocks of 2 pages: rows cross block boundaries as well as page boundaries.
+    plan = make_plan(m.cfg, 4, PS, 4, act_dtype=jnp.float32, block_keys=2 * PS)
     mp = pack_megakernel(plan, m.params)
     pool = _pool(m.cfg, 17, seed=3)
     ref = jax.jit(partial(reference_step, plan, mp))
@@ -285,7 +289,12 @@ def test_rope_tables_match_reference():
     cos, _ = rope_cos_sin(jnp.maximum(jnp.asarray(POSITIONS), 0), mp["inv_freq"], 1.0)
     want = np.tile(np.asarray(cos), (1, m.cfg.num_kv_heads))
     np.testing.assert_allclose(np.asarray(inp["cos"])[:, : plan.kv], want, rtol=1e-6)
-    assert int(inp["meta"][0]) == 4  # 3 + 1 + 0 pages, padding reads none
+    # K/V read items are blocks of up to 4 pages: 3 + 1 + 0 pages, padding reads none.
+    assert int(inp["meta"][0]) == 2
+    assert np.asarray(inp["it_cnt"])[:2].tolist() == [3, 1]
+    assert np.asarray(inp["it_page"])[:8].tolist() == [1, 2, 3, 4, 5, 6, 0, 0]  # it_cnt DMAs
+    one_page = step_inputs(replace(plan, block_keys=PS), mp, TOKENS, POSITIONS, PAGE_TABLE)
+    assert int(one_page["meta"][0]) == 4
 
 
 def test_pallas_backend_of_the_decode_step():

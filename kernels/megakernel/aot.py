@@ -113,7 +113,7 @@ def compile_megakernel(req: CompileRequest) -> dict[str, Any]:
 
 def _accounting(req: CompileRequest, cfg: Any, plan: Any) -> dict[str, Any]:
     """The request's result dict before compiling: VMEM, bytes per step, floor, projections."""
-    from kernels.megakernel import schedule
+    from kernels.megakernel import cost, schedule
 
     # Every row at the end of a full context: it reads context - 1 earlier tokens.
     positions = [req.context - 1] * req.batch
@@ -153,6 +153,8 @@ def _accounting(req: CompileRequest, cfg: Any, plan: Any) -> dict[str, Any]:
         ),
         "floor_ms_per_step": round(floor_total / bandwidth * 1e3, 4),
         "distinct_experts_per_moe_layer": distinct[0] if distinct else 0,
+        # Static cost from the kernel's schedule at tpu7x peaks, per TensorCore device.
+        "cost": cost.step_cost(plan, positions, distinct),
         "dma_bytes": dma,
         "outside_kernel_bytes": outside,
         "floor_bytes": floor,

@@ -20,7 +20,7 @@ from kernels.megakernel.body import (
     rem,
     rms,
 )
-from kernels.megakernel.kv_pages import kv_prime, kv_read_copies, kv_read_start, kv_write_copies
+from kernels.megakernel.kv_pages import kv_prime, kv_read_start, kv_read_wait, kv_write_copies
 from kernels.megakernel.plan import LANES, VecRow
 
 
@@ -52,7 +52,7 @@ def attention(ctx: Body, layer, a_first, b_first, vec_slot) -> None:
     p = ctx.plan
     keys, values = _project_qkv(ctx, a_first, vec_slot)
     _start_online_softmax(ctx, keys, values)
-    lax.fori_loop(0, ctx.n_items, partial(_attend_page, ctx, layer), 0)
+    lax.fori_loop(0, ctx.n_items, partial(_attend_block, ctx, layer), 0)
     # The next layer's first pages load while this layer's o_proj and MLP stream.
     pl.when(layer + 1 < p.num_layers)(lambda: kv_prime(ctx, layer + 1))
     _write_pages_and_normalise(ctx, layer)
@@ -96,7 +96,9 @@ def _start_online_softmax(ctx: Body, keys, values) -> None:
     """Puts each row's new K/V (f32[B, kv] each) into its write page and starts its softmax.
 
     The online softmax starts from the new token itself: every row has one finite score
-    before any page is read, so masked pages can never divide by zero.
+    before any block is read, so masked keys can never divide by zero. Once per row and
+    layer, each head's q.k sum goes through the 0/1 head-segment matrices (f32, exact); the
+    per-key work in `_attend_block` has none.
     """
     p, r = ctx.plan, ctx.refs
     page_row = ctx.masks.page_row
@@ -104,49 +106,77 @@ def _start_online_softmax(ctx: Body, keys, values) -> None:
         key, value = keys[row : row + 1], values[row : row + 1]
         r["kw"][row] = jnp.where(page_row == r["wslot"][row], key, 0.0).astype(p.kv_dtype)
         r["vw"][row] = jnp.where(page_row == r["wslot"][row], value, 0.0).astype(p.kv_dtype)
-        # All of the row's groups at once: f32[g, kv] on sublanes.
-        r["m"][row] = dot(r["q"][row] * key, r["seg"][...], HIGHEST)
-        r["l"][row] = jnp.ones((p.group, LANES), jnp.float32)
+        # All of the row's groups at once: f32[g, kv] on sublanes, each head's score
+        # repeated over its lanes.
+        score = dot(r["q"][row] * key, r["seg"][...], HIGHEST)
+        r["m"][row] = dot(score, r["seg_t"][...], HIGHEST)
+        r["l"][row] = jnp.ones((p.group, p.kv), jnp.float32)
         r["acc"][row] = jnp.broadcast_to(value, (p.group, p.kv))
 
 
-def _attend_page(ctx: Body, layer, item, carry):
-    """fori_loop body: folds read item `item` (one page of one row) into that row's softmax."""
+# Contract the last dims of both sides: scores = q @ k.T without materialising k.T.
+_NT = (((1,), (1,)), ((), ()))
+
+
+def _attend_block(ctx: Body, layer, item, carry):
+    """fori_loop body: folds read item `item` (one block of one row's pages) into that row's
+    online softmax, one head at a time: scores f32[g, block] = q_h @ K_h.T and p @ V_h, each
+    one matmul over the block's keys."""
     p, r = ctx.plan, ctx.refs
     masks = ctx.masks
     slot = rem(item, p.depth_kv)
-    for copy in kv_read_copies(ctx, layer, item):
-        copy.wait()
-    row, page_index = r["it_seq"][item], r["it_idx"][item]
-    page_keys, page_values = r["kbuf"][slot], r["vbuf"][slot]  # kv_dtype[page_size, kv]
+    kv_read_wait(ctx, layer, item)
+    row, block = r["it_seq"][item], r["it_idx"][item]
+    first_page = block * p.pages_per_block
+    for j in range(p.pages_per_block):
+        page = pl.ds(j * p.page_size, p.page_size)
 
-    @pl.when(page_index == r["wlast"][row])
-    def _merge():  # the page this step rewrites keeps every other row as it was
-        r["kw"][row] = jnp.where(masks.page_row == r["wslot"][row], r["kw"][row], page_keys)
-        r["vw"][row] = jnp.where(masks.page_row == r["wslot"][row], r["vw"][row], page_values)
+        @pl.when(first_page + j == r["wlast"][row])
+        def _merge(page=page):  # the page this step rewrites keeps every other row as it was
+            keep = masks.page_row == r["wslot"][row]
+            r["kw"][row] = jnp.where(keep, r["kw"][row], r["kbuf"][slot, page])
+            r["vw"][row] = jnp.where(keep, r["vw"][row], r["vbuf"][slot, page])
 
     # Only tokens before the row's position count: the new one is already in the softmax.
-    valid = page_index * p.page_size + masks.page_row_column < r["pos"][row]
-    keys = jnp.where(valid, page_keys.astype(jnp.float32), 0.0)
-    values = jnp.where(valid, page_values.astype(jnp.float32), 0.0)
-    for group in range(p.group):
-        at = (row, pl.ds(group, 1))  # dynamic row (leading dim), static group (sublane)
-        # Each head's score sits in its own lane of f32[page_size, 128] (seg sums its lanes).
-        scores = dot(keys * r["q"][at], r["seg"][...], HIGHEST)
-        scores = jnp.where(valid, scores, MASKED)
-        max_old = r["m"][at]  # f32[1, 128]
-        max_new = jnp.maximum(max_old, jnp.max(scores, axis=0, keepdims=True))
-        rescale = jnp.exp(max_old - max_new)
-        probs = jnp.exp(scores - max_new)
-        r["m"][at] = max_new
-        r["l"][at] = rescale * r["l"][at] + jnp.sum(probs, axis=0, keepdims=True)
-        # seg_t spreads each head's probability back over that head's lanes.
-        per_lane = dot(probs, r["seg_t"][...], HIGHEST)
-        weighted = jnp.sum(per_lane * values, axis=0, keepdims=True)
-        accumulated = r["acc"][at]  # f32[1, kv]
-        r["acc"][at] = accumulated * dot(rescale, r["seg_t"][...], HIGHEST) + weighted
+    # Rows of the block past the row's pages hold older blocks' (finite) keys: masked too.
+    valid = first_page * p.page_size + masks.block_key < r["pos"][row]  # bool[1, block]
+    chunk = max(LANES, p.head_dim)  # whole heads, lane-aligned
+    for c in range(0, p.kv, chunk):
+        lanes = pl.ds(c, min(chunk, p.kv - c))
+        keys = ctx.matmul_input(r["kbuf"][slot, :, lanes])  # [block, w]
+        values = ctx.matmul_input(r["vbuf"][slot, :, lanes])
+        q = r["q"][row, :, lanes]  # f32[g, w], pre-scaled
+        m_old, l_old, acc = r["m"][row, :, lanes], r["l"][row, :, lanes], r["acc"][row, :, lanes]
+        heads = masks.chunk_heads(q.shape[-1])
+        for head in heads:  # head: bool[1, w] its lanes, or None when it fills the chunk
+            qh = q if head is None else jnp.where(head, q, 0.0)
+            scores = lax.dot_general(
+                ctx.matmul_input(qh), keys, _NT, preferred_element_type=jnp.float32
+            )
+            scores = jnp.where(valid, scores, MASKED)  # f32[g, block]
+            old = _head_value(m_old, head)
+            new = jnp.maximum(old, jnp.max(scores, axis=1, keepdims=True))  # f32[g, 1]
+            probs = jnp.exp(scores - new)  # masked keys: exp(-1e30 - finite) = 0
+            rescale = jnp.exp(old - new)
+            total = rescale * _head_value(l_old, head) + jnp.sum(probs, axis=1, keepdims=True)
+            pv = dot(ctx.matmul_input(probs), values)  # f32[g, w]
+            if head is None:
+                m_old, l_old = (jnp.broadcast_to(x, acc.shape) for x in (new, total))
+                acc = acc * rescale + pv
+            else:
+                m_old = jnp.where(head, new, m_old)
+                l_old = jnp.where(head, total, l_old)
+                acc = jnp.where(head, acc * rescale + pv, acc)
+        r["m"][row, :, lanes], r["l"][row, :, lanes], r["acc"][row, :, lanes] = m_old, l_old, acc
     pl.when(item + p.depth_kv < ctx.n_items)(lambda: kv_read_start(ctx, layer, item + p.depth_kv))
     return carry
+
+
+def _head_value(x, head):
+    """A head's value of x: f32[g, w] repeated over the head's lanes -> f32[g, 1]."""
+    if head is None:
+        return x[:, :1]
+    return jnp.max(jnp.where(head, x, MASKED), axis=1, keepdims=True)
 
 
 def _write_pages_and_normalise(ctx: Body, layer) -> None:
@@ -160,8 +190,7 @@ def _write_pages_and_normalise(ctx: Body, layer) -> None:
                 pl.when(r["pos"][row] >= 0)(
                     lambda: count_dma(ctx.counter, Dma.KV_WRITE, r["kw"].at[0])
                 )
-        denominator = dot(r["l"][row], r["seg_t"][...], HIGHEST)  # f32[g, kv]
-        out = r["acc"][row] / denominator
+        out = r["acc"][row] / r["l"][row]  # f32[g, kv]: each head's sum over its lanes
         for group in range(p.group):
             r["attn"][group, row : row + 1, : p.kv] = out[group : group + 1]
 

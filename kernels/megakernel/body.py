@@ -141,7 +141,16 @@ class AttentionMasks:
     head_seg: Any  # f32[ta, 128]: `head_segments` over the padded K/V width
     head_seg_t: Any  # f32[128, ta]: its transpose
     page_row: Any  # i32[page_size, kv]: the row (token slot) index within a page
-    page_row_column: Any  # i32[page_size, 1]: the same, one lane
+    block_key: Any  # i32[1, block_width]: the key index within a K/V read block
+    head_dim: int
+
+    def chunk_heads(self, width: int) -> list:
+        """The heads of a `width`-lane chunk of a K/V row: [None] when one head fills it, else
+        one bool[1, width] lane mask per head (head_dim 64 packs two heads per 128 lanes)."""
+        if width <= self.head_dim:
+            return [None]
+        lane = lax.broadcasted_iota(jnp.int32, (1, width), 1)
+        return [lane // self.head_dim == h for h in range(width // self.head_dim)]
 
 
 @dataclass

@@ -72,6 +72,10 @@ def kernel_body(plan: MegaPlan, *refs) -> None:
     r["seg"][...] = head_segments(p, p.kv, LANES, False)
     r["seg_t"][...] = head_segments(p, LANES, p.kv, True)
     r["attn"][...] = jnp.zeros(r["attn"].shape, jnp.float32)
+    # A block's rows past its row's pages are never written by a DMA: zero, not VMEM garbage
+    # (a NaN there times a probability of 0 is still NaN); later they hold older pages.
+    for buf in ("kbuf", "vbuf"):
+        r[buf][...] = jnp.zeros(r[buf].shape, p.kv_dtype)
     r["h"][...] = r["h0"][...]
     ctx.ring_a.prime()
     ctx.ring_b.prime()
@@ -85,7 +89,8 @@ def kernel_body(plan: MegaPlan, *refs) -> None:
         head_seg=head_segments(p, p.ta, LANES, False),
         head_seg_t=head_segments(p, LANES, p.ta, True),
         page_row=lax.broadcasted_iota(jnp.int32, (p.page_size, p.kv), 0),
-        page_row_column=lax.broadcasted_iota(jnp.int32, (p.page_size, 1), 0),
+        block_key=lax.broadcasted_iota(jnp.int32, (1, p.block_width), 1),
+        head_dim=p.head_dim,
     )
     # One fori_loop per run of same-kind layers: a MoE model's dense layers share the code.
     for moe, first_layer, count in p.segments:
@@ -117,7 +122,7 @@ def _decoder_layer(ctx: Body, moe: bool, first_layer: int, index, carry):
 
 
 # Scalar-prefetch operands (SMEM), first among the kernel's refs; `step_inputs` builds them.
-SCALARS = ("pos", "wpage", "wslot", "wlast", "it_seq", "it_page", "it_idx", "meta")
+SCALARS = ("pos", "wpage", "wslot", "wlast", "it_seq", "it_page", "it_idx", "it_cnt", "meta")
 
 
 def input_names(plan: MegaPlan) -> list[str]:

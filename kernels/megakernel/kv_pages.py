@@ -5,29 +5,50 @@ from __future__ import annotations
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.megakernel.body import Body, Dma, count_dma, rem
+from kernels.megakernel.body import Body, Dma, count_dma, each, rem
 
 
-def kv_read_copies(ctx: Body, layer, item):
-    """The K and V page DMAs of read item `item` of `layer`, into KV ring slot item % depth."""
-    r = ctx.refs
-    slot = rem(item, ctx.plan.depth_kv)
-    page = r["it_page"][item]
-    return (
+def _page_copies(ctx: Body, layer, item, j: int):
+    """The K and V DMAs of page j of read item `item` (one block of one row) of `layer`, into
+    rows j * page_size.. of the block buffer's slot item % depth; the slot's two semaphores
+    count the bytes of all its pages."""
+    r, p = ctx.refs, ctx.plan
+    slot = rem(item, p.depth_kv)
+    page = r["it_page"][item * p.pages_per_block + j]
+    rows = pl.ds(j * p.page_size, p.page_size)
+    return tuple(
         pltpu.make_async_copy(
-            r["k_hbm"].at[layer, page], r["kbuf"].at[slot], r["sem_kv"].at[slot, 0]
-        ),
-        pltpu.make_async_copy(
-            r["v_hbm"].at[layer, page], r["vbuf"].at[slot], r["sem_kv"].at[slot, 1]
-        ),
+            r[f"{x}_hbm"].at[layer, page], r[f"{x}buf"].at[slot, rows], r["sem_kv"].at[slot, i]
+        )
+        for i, x in enumerate("kv")
     )
 
 
+def _each_page(ctx: Body, layer, item, method: str) -> None:
+    """Starts or waits the page DMAs of read item `item`: only its `it_cnt` pages exist."""
+    count = ctx.refs["it_cnt"][item]
+    for j in range(ctx.plan.pages_per_block):
+
+        @pl.when(j < count)
+        def _(j=j):
+            each(_page_copies(ctx, layer, item, j), method)
+            if method == "start":
+                for _ in range(2):
+                    count_dma(
+                        ctx.counter,
+                        Dma.KV_READ,
+                        ctx.refs["kbuf"].at[0, pl.ds(0, ctx.plan.page_size)],
+                    )
+
+
+def kv_read_wait(ctx: Body, layer, item) -> None:
+    """Waits for read item `item`'s page DMAs."""
+    _each_page(ctx, layer, item, "wait")
+
+
 def kv_read_start(ctx: Body, layer, item) -> None:
-    """Starts read item `item`'s two page DMAs."""
-    for copy in kv_read_copies(ctx, layer, item):
-        copy.start()
-        count_dma(ctx.counter, Dma.KV_READ, ctx.refs["kbuf"].at[0])
+    """Starts read item `item`'s page DMAs."""
+    _each_page(ctx, layer, item, "start")
 
 
 def kv_prime(ctx: Body, layer) -> None:

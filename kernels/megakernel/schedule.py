@@ -50,7 +50,7 @@ def dma_bytes(
     if len(distinct_experts) != len(p.moe_layers):
         raise ValueError(f"{len(distinct_experts)=} must equal {len(p.moe_layers)} MoE layers")
     live = sum(1 for x in positions if x >= 0)
-    kv_page = _block_bytes(p, "kbuf", padded)
+    kv_page = _block_bytes(p, "kbuf", padded) // p.pages_per_block  # DMAs are per page
     out = {
         "ring_a": p.n_a * _block_bytes(p, "ring_a", padded),
         "ring_b": p.n_b * _block_bytes(p, "ring_b", padded),

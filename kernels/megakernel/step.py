@@ -49,26 +49,32 @@ def step_inputs(plan: MegaPlan, mparams: dict, tokens, positions, page_table) ->
     wlast = safe // ps
     wpage = jnp.where(valid, jnp.take_along_axis(page_table, wlast[:, None], axis=1)[:, 0], 0)
     # Pages each row reads: those holding a token before its position (the new token's own
-    # K/V comes from VMEM), flattened row-major into one list so prefetch crosses rows.
+    # K/V comes from VMEM), in blocks of `pages_per_block`; the blocks of every row form one
+    # list (row-major) so the prefetch crosses rows.
     n_read = jnp.where(valid, (safe + ps - 1) // ps, 0)
-    j = jnp.arange(pages)[None]
-    mask = j < n_read[:, None]
-    slot = jnp.where(mask, jnp.cumsum(mask.reshape(-1)).reshape(b, pages) - 1, b * pages)
-    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, pages))
+    per, blocks = p.pages_per_block, p.blocks_per_seq
+    n_blocks = -(-n_read // per)
+    j = jnp.arange(blocks)[None]
+    mask = j < n_blocks[:, None]
+    slot = jnp.where(mask, jnp.cumsum(mask.reshape(-1)).reshape(b, blocks) - 1, b * blocks)
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, blocks))
 
-    def flat(values):
-        out = jnp.zeros(b * pages, jnp.int32)
-        return out.at[slot.reshape(-1)].set(values.reshape(-1).astype(jnp.int32), mode="drop")
+    def flat(values, width=1):  # [b, blocks(, width)] -> items in order, width each
+        out = jnp.zeros((b * blocks, width), jnp.int32)
+        values = values.reshape(b * blocks, width).astype(jnp.int32)
+        return out.at[slot.reshape(-1)].set(values, mode="drop").reshape(-1)
 
+    table = jnp.pad(page_table, ((0, 0), (0, blocks * per - pages)))
     return {
         "pos": positions.astype(jnp.int32),
         "wpage": wpage.astype(jnp.int32),
         "wslot": (safe % ps).astype(jnp.int32),
         "wlast": wlast.astype(jnp.int32),
         "it_seq": flat(rows),
-        "it_page": flat(page_table),
-        "it_idx": flat(jnp.broadcast_to(j, (b, pages))),
-        "meta": jnp.sum(n_read, keepdims=True).astype(jnp.int32),
+        "it_page": flat(table.reshape(b, blocks, per), per),
+        "it_idx": flat(jnp.broadcast_to(j, (b, blocks))),
+        "it_cnt": flat(jnp.clip(n_read[:, None] - j * per, 0, per)),
+        "meta": jnp.sum(n_blocks, keepdims=True).astype(jnp.int32),
         "h0": h0,
         "cos": cos.astype(jnp.float32),
         "sin": sin.astype(jnp.float32),
