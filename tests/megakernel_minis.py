@@ -35,6 +35,16 @@ def mini_model(kind: str):
     if kind == "moe":
         hf = tiny_moe_config(**MINI, moe_intermediate_size=96, num_experts=8)
         t = random_moe_tensors(hf, scale=0.2)
+    elif kind == "qwen2":  # q/k/v biases, in the kernel's vector rows
+        hf = tiny_llama_config(**MINI, model_type="qwen2")
+        t = random_tensors(hf, scale=0.2)
+        rng = np.random.default_rng(7)
+        hd = MINI["head_dim"]
+        q, kv = MINI["num_attention_heads"] * hd, MINI["num_key_value_heads"] * hd
+        for i in range(hf["num_hidden_layers"]):
+            for name, n in (("q", q), ("k", kv), ("v", kv)):
+                bias = (rng.standard_normal(n) * 0.5).astype(np.float32)
+                t[f"model.layers.{i}.self_attn.{name}_proj.bias"] = bias
     else:
         hf = tiny_llama_config(**MINI)
         t = random_tensors(hf, scale=0.2)

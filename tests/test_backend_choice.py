@@ -35,18 +35,19 @@ def _cfg(name: str):
 def test_auto_is_xla_off_tpu_and_says_why():
     assert choose_backend(_cfg("llama_gqa2"), 16) == ("xla", "auto: platform 'cpu' is not TPU")
     assert choose_backend(_cfg("llama_gqa2"), 16, "pallas") == ("pallas", "requested")
-    assert choose_backend(_cfg("qwen2_bias"), 16, "xla") == ("xla", "requested")
+    assert choose_backend(_cfg("llama_bias"), 16, "xla") == ("xla", "requested")
 
 
 def test_auto_on_tpu_falls_back_for_what_the_kernel_cannot_take(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")  # no TPU here: its name only
     assert choose_backend(_cfg("llama_gqa2"), 16)[0] == "pallas"
-    backend, why = choose_backend(_cfg("qwen2_bias"), 16)
-    assert backend == "xla" and "qkv_bias=True" in why, why
+    assert choose_backend(_cfg("qwen2_bias"), 16)[0] == "pallas"  # q/k/v biases: in the kernel
+    backend, why = choose_backend(_cfg("llama_bias"), 16)
+    assert backend == "xla" and "o_bias=True" in why, why
     backend, why = choose_backend(_cfg("llama_gqa2"), 12)
     assert backend == "xla" and "page_size=12" in why, why
-    with pytest.raises(BackendError, match="--backend pallas: megakernel: qkv_bias=True"):
-        choose_backend(_cfg("qwen2_bias"), 16, "pallas")
+    with pytest.raises(BackendError, match="--backend pallas: megakernel: o_bias=True"):
+        choose_backend(_cfg("llama_bias"), 16, "pallas")
     assert serving_dtype("auto") == jnp.bfloat16
 
 
@@ -90,10 +91,10 @@ def test_a_memory_plan_that_does_not_fit_exits_2_naming_each_term():
 
 
 def test_pallas_on_a_config_it_cannot_take_exits_2_naming_why():
-    ck = str(FIXTURES / "tiny" / "qwen2_bias")
+    ck = str(FIXTURES / "tiny" / "llama_bias")
     r = _cli("generate", "--checkpoint", ck, "--prompt-ids", "3,4,5", "--backend", "pallas")
     assert r.returncode == 2, r.stderr[-2000:]
-    assert "--backend pallas: megakernel: qkv_bias=True is not implemented yet" in r.stderr
+    assert "--backend pallas: megakernel: o_bias=True is not implemented yet" in r.stderr
 
 
 def test_generate_in_bf16_on_the_xla_backend():

@@ -93,6 +93,22 @@ def test_one_step_matches_reference(mini, block_keys):
     np.testing.assert_array_equal(after[:, untouched], before[:, untouched])
 
 
+def test_qwen2_biases_one_step_matches_reference():
+    """Qwen2's q/k/v biases, added to each ring-A tile's output from the vector ring."""
+    m, hf = mini_model("qwen2")
+    plan = make_plan(m.cfg, 4, PS, 4, block_keys=2 * PS)
+    assert plan.qkv_bias
+    mp = pack_megakernel(plan, m.params)
+    k, v = _pool(m.cfg, 9)
+    args = (k, v, TOKENS, POSITIONS, PAGE_TABLE)
+    rt, rl, _, _, _ = jax.jit(partial(reference_step, plan, mp, interpret=True))(*args)
+    kt, kl, _, _, _ = jax.jit(partial(megakernel_step, plan, mp, interpret=True))(*args)
+    live = POSITIONS >= 0
+    errors = _row_errors(np.asarray(kl)[live], np.asarray(rl)[live])
+    assert (errors <= ONE_STEP_LOGITS["llama"]).all(), errors
+    np.testing.assert_array_equal(np.asarray(kt)[live], np.asarray(rt)[live])
+
+
 def _strip_padding(name: str, unpacked: np.ndarray, want: np.ndarray) -> np.ndarray:
     """An unpacked MLP matrix without the lane padding the packer added (asserted zero)."""
     if name == "w_gate_up":  # [.., D, 2F] with gate and up each padded to Fp columns

@@ -41,8 +41,8 @@ def test_plan_refuses_what_the_kernel_does_not_implement():
     from kernels.llama import LlamaConfig
 
     hf = tiny_llama_config(**MINI)
-    with pytest.raises(ValueError, match="qkv_bias"):
-        make_plan(LlamaConfig.from_hf(hf | {"model_type": "qwen2"}), 1, PS, 4)
+    with pytest.raises(ValueError, match="o_bias"):
+        make_plan(LlamaConfig.from_hf(hf | {"attention_bias": True}), 1, PS, 4)
     with pytest.raises(ValueError, match="page_size=12"):
         make_plan(LlamaConfig.from_hf(hf), 1, 12, 4)
     with pytest.raises(ValueError, match="head_dim=48"):

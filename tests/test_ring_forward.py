@@ -16,7 +16,7 @@ from kernels.megakernel.ring_forward import ring_forward, stack_gmm
 from tests.megakernel_minis import PS, mini_model
 
 
-@pytest.fixture(scope="module", params=["dense", "moe"])
+@pytest.fixture(scope="module", params=["dense", "moe", "qwen2"])
 def mini(request):
     return mini_model(request.param)[0]
 

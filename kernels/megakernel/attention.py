@@ -69,10 +69,12 @@ def _project_qkv(ctx: Body, a_first, vec_slot):
     ln_attn = ctx.vec_row(vec_slot, VecRow.LN_ATTN, p.hidden_p)
     normed = rms(r["h"][...], ln_attn, p.hidden, p.eps)[:, : p.hidden].astype(p.act_dtype)
 
-    def project(tile):  # f32[B, ta]: ring A load a_first + tile
+    def project(tile):  # f32[B, ta]: ring A load a_first + tile (q group, k or v)
         slot = ctx.ring_a.take(a_first + tile)
         y = dot(normed, ctx.matmul_input(r["ring_a"][slot]))
         ctx.ring_a.refill(a_first + tile)
+        if p.qkv_bias:
+            y = y + ctx.vec_row(vec_slot, VecRow.QKV_BIAS + tile, p.ta)
         return y
 
     scale = p.head_dim**-0.5

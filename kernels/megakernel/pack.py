@@ -49,6 +49,12 @@ def pack_megakernel(plan: MegaPlan, params: dict) -> dict[str, Any]:
             b_tiles.append(_pad(wo[cols, :], (ta, dp)))
         a_tiles.append(_pad(wqkv[:, q_size : q_size + kv], (dm, ta)))
         a_tiles.append(_pad(wqkv[:, q_size + kv :], (dm, ta)))
+        if p.qkv_bias:  # laid out as the tiles' columns: q groups, k, v
+            bias = f32["bqkv"]
+            for g in range(p.group):
+                vec[li, VecRow.QKV_BIAS + g, :kv] = bias[group_columns(p, g)]
+            vec[li, VecRow.QKV_BIAS + p.group, :kv] = bias[q_size : q_size + kv]
+            vec[li, VecRow.QKV_BIAS + p.group + 1, :kv] = bias[q_size + kv :]
         vec[li, VecRow.LN_ATTN, :dm] = f32["ln_attn"]
         vec[li, VecRow.LN_MLP, :dm] = f32["ln_mlp"]
         if p.qk_norm:
@@ -129,6 +135,10 @@ def unpack_megakernel(plan: MegaPlan, mparams: dict) -> dict[str, Any]:
             "ln_attn": vec[li, VecRow.LN_ATTN, :dm],
             "ln_mlp": vec[li, VecRow.LN_MLP, :dm],
         }
+        if p.qkv_bias:
+            rows = vec[li, VecRow.QKV_BIAS : VecRow.QKV_BIAS + group + 2, :kv]
+            bq = rows[:group].reshape(-1)[inverse]
+            lp["bqkv"] = jnp.concatenate([bq, rows[group], rows[group + 1]])
         if p.qk_norm:  # packed once per kv head; every copy is the same
             lp["q_norm"] = vec[li, VecRow.Q_NORM, : p.head_dim]
             lp["k_norm"] = vec[li, VecRow.K_NORM, : p.head_dim]

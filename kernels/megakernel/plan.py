@@ -24,6 +24,7 @@ class VecRow(IntEnum):
     LN_MLP = 1
     Q_NORM = 2
     K_NORM = 3
+    QKV_BIAS = 4  # Qwen2: the bias of ring-A tile j of the layer (q groups, k, v) is row 4 + j
 
 
 def round_up(n: int, m: int) -> int:
@@ -89,6 +90,7 @@ class MegaPlan:
     batch: int
     page_size: int
     pages_per_seq: int
+    qkv_bias: bool = False  # q/k/v projection biases (Qwen2), vector rows QKV_BIAS + tile
     depth_a: int = 3
     depth_b: int = 2
     depth_kv: int = 2  # K/V key blocks in flight: the next block's page DMAs under this one
@@ -174,7 +176,8 @@ class MegaPlan:
 
     @property
     def vec_rows(self) -> int:
-        return 8  # the `VecRow`s, padded to the f32 sublane tile
+        """The `VecRow`s (and the G + 2 bias rows), padded to the f32 sublane tile."""
+        return round_up(VecRow.QKV_BIAS + (self.group + 2 if self.qkv_bias else 0), 8)
 
     @property
     def vec_width(self) -> int:
@@ -283,9 +286,8 @@ class MegaPlan:
 
 def unsupported(cfg: Any, page_size: int) -> str | None:
     """Why the kernel cannot run this model config and page size, or None if it can."""
-    for field in ("qkv_bias", "o_bias"):
-        if getattr(cfg, field, False):
-            return f"megakernel: {field}=True is not implemented yet"
+    if getattr(cfg, "o_bias", False):
+        return "megakernel: o_bias=True is not implemented yet"
     hd = cfg.head_dim
     if hd & (hd - 1) or hd < 2:
         return f"megakernel: head_dim={hd} must be a power of two (RoPE lane masks)"
@@ -338,6 +340,7 @@ def make_plan(
         norm_topk_prob=getattr(cfg, "norm_topk_prob", False),
         moe_inter_p=round_up(getattr(cfg, "moe_intermediate_size", 0) or 1, LANES),
         qk_norm=cfg.qk_norm,
+        qkv_bias=bool(getattr(cfg, "qkv_bias", False)),
         eps=cfg.rms_norm_eps,
         batch=batch,
         page_size=page_size,

@@ -43,7 +43,10 @@ def _attention(p: MegaPlan, mp, li, h, cos, sin, positions, page_table, k_cache,
     ring_a = mp["ring_a"]
     # One batched matmul over the q groups, k and v tiles: k and v as plain matmuls had XLA
     # re-tile both tiles of every layer into HBM first (192 MB for Qwen3-30B-A3B on tpu7x).
-    qkv = _tiles(x, ring_a[a0 : a0 + g + 2])[..., :kv]  # [b, t, G + 2, kv]
+    qkv = _tiles(x, ring_a[a0 : a0 + g + 2])  # [b, t, G + 2, ta]
+    if p.qkv_bias:
+        qkv = qkv + vec[VecRow.QKV_BIAS : VecRow.QKV_BIAS + g + 2, : p.ta]
+    qkv = qkv[..., :kv]
     # Group j's tile holds heads h*G+j of every kv head h: [b, t, G, Hkv, D] -> head order.
     q = qkv[..., :g, :].reshape(b, t, g, hkv, hd).transpose(0, 1, 3, 2, 4)
     q = q.reshape(b, t, p.num_heads, hd)

@@ -198,6 +198,7 @@ def _family_config(plan: MegaPlan) -> Any:
         # Not read either: forward takes the RoPE tables (inv_freq, rope_scale) from params.
         rope=RopeConfig(head_dim=p.head_dim, theta=10000.0),
         qk_norm=p.qk_norm,
+        qkv_bias=p.qkv_bias,
     )
     if not p.moe_layers:
         return LlamaConfig(**fields)
