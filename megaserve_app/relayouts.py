@@ -115,24 +115,32 @@ def relayout_ops(hlo: str, pool_shape: tuple[int, ...], weight_shapes: list[tupl
     shapes = {tuple(s): "weight" for s in weight_shapes}
     shapes[tuple(pool_shape)] = "pool"  # a weight of the pool's dims is still the pool
     bodies = _computations(hlo)
-    source: dict[str, tuple[str, int, str]] = {}  # name -> (kind, one layer's elements, layout)
+    # name -> (kind, one layer's elements, layout, dims) of what the value holds
+    source: dict[str, tuple[str, int, str, tuple[int, ...]]] = {}
     flagged = []
     for ins in _entry(hlo):
         if ins.op == "parameter" and len(ins.arrays) == 1:
             dims, layout = ins.arrays[0]
             if dims in shapes:
                 layer = math.prod(dims) // max(dims[0], 1) if len(dims) > 2 else math.prod(dims)
-                source[ins.name] = (shapes[dims], layer, layout)
+                source[ins.name] = (shapes[dims], layer, layout, dims)
             continue
         srcs = [source[o] for o in ins.operands if o in source]
         if not srcs:
             continue
-        kind, layer, src_layout = srcs[0]
+        kind, layer, src_layout, src_dims = srcs[0]
         if ins.op in _MOVES or (ins.op == "custom-call" and ins.target == "ConcatBitcast"):
-            source[ins.name] = srcs[0]
+            if ins.op == "bitcast" and len(ins.arrays) == 1:
+                # Same bytes under new dims (the pool as [L*pages*page, row] for a scatter):
+                # later ops compare against this view's layout.
+                source[ins.name] = (kind, layer, *reversed(ins.arrays[0]))
+            else:
+                source[ins.name] = srcs[0]
             continue
-        relaid = any(_tiling(lay) != _tiling(src_layout) for _, lay in ins.arrays)
-        big = any(math.prod(d) >= max(layer, _SMALL) for d, _ in ins.arrays)
+        # An async op's result tuple carries its operands through: those are not new buffers.
+        made = [(d, lay) for d, lay in ins.arrays if (d, lay) != (src_dims, src_layout)]
+        relaid = any(_tiling(lay) != _tiling(src_layout) for _, lay in made)
+        big = any(math.prod(d) >= max(layer, _SMALL) for d, _ in made)
         if all(_VMEM in lay for _, lay in ins.arrays) and ins.op != "custom-call":
             # Loaded into VMEM (re-tiled for the MXU on the way, as XLA feeds every matmul):
             # the resident copy stays the only one in HBM, and VMEM cannot hold a weight.

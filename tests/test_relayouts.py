@@ -82,3 +82,33 @@ def test_in_place_page_writes_are_not_flagged_but_a_pool_copy_is():
     shapes = [(pool, jnp.bfloat16), ((4, 16, 256), jnp.bfloat16), ((4,), jnp.int32)]
     assert relayout_ops(_hlo(write, *shapes), pool, []) == []
     assert relayout_ops(_hlo(copy, *shapes), pool, [])
+
+
+_ENTRY = """HloModule m
+
+%fused_scatter (p0: bf16[128,512]) -> bf16[128,512] {
+  ROOT %s = bf16[128,512]{1,0:T(8,128)(2,1)} scatter(%p0, %i, %u)
+}
+
+ENTRY %main (pool: bf16[2,4,16,512], table: bf16[4096,2048]) -> bf16[128,512] {
+  %pool = bf16[2,4,16,512]{3,2,1,0:T(8,128)(2,1)} parameter(0)
+  %table = bf16[4096,2048]{1,0:T(8,128)(2,1)} parameter(1)
+  %flat = bf16[128,512]{1,0:T(8,128)(2,1)} bitcast(%pool)
+  %scatter_fusion = bf16[128,512]{1,0:T(8,128)(2,1)} fusion(%flat, %x), kind=kCustom, \
+calls=%fused_scatter
+  %gather.update = ((bf16[4096,2048]{1,0:T(8,128)(2,1)}, s32[64]{0}), \
+bf16[64,2048]{1,0:T(16,128)(2,1)}) custom-call-update(%gather.start, %table)
+  %relaid = bf16[128,512]{0,1:T(8,128)(2,1)} copy(%flat)
+  ROOT %out = bf16[128,512]{1,0:T(8,128)(2,1)} add(%scatter_fusion, %relaid)
+}
+"""
+
+
+def test_views_and_pass_through_operands_are_not_relayouts():
+    """A scatter into the pool through a flattening bitcast keeps the pool's layout, and an
+    async gather's result tuple that carries the embedding table through makes no copy of
+    it; a copy that changes the flattened pool's tiling is still flagged."""
+    from megaserve_app.relayouts import relayout_ops
+
+    found = relayout_ops(_ENTRY, (2, 4, 16, 512), [(4096, 2048)])
+    assert [line.split(" =")[0] for line in found] == ["%relaid"], found
