@@ -9,8 +9,9 @@ import math
 from kernels.megakernel import cost
 from kernels.megakernel.aot import load_config
 from kernels.megakernel.plan import make_plan
+from tests.conftest import REPO
 
-LLAMA = "configs/models/llama-3.1-8b.json"
+LLAMA = str(REPO / "configs" / "models" / "llama-3.1-8b.json")
 
 
 def _llama_flops(hf: dict, batch: int, position: int, page_size: int, block_keys: int) -> dict:
