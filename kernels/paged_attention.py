@@ -121,21 +121,8 @@ def paged_attention_reference(
     scale: float,
 ) -> jnp.ndarray:
     """Causal attention of new queries over each sequence's paged keys, the whole page table
-    at once (full scores [B, Hkv, G, T, S]): the reference `paged_attention` is tested against.
-
-    Args:
-      q: f32[B, T, Hq, D] queries (already rotated).
-      k_cache, v_cache: [L, num_pages, page_size, Hkv * D] the pool, new rows written; one
-        gather per array reads (layer, page) blocks straight from it: slicing the layer out
-        first made XLA copy a whole layer of the pool per layer (on tpu7x, 1.2 GB temps
-        for Llama-3.1-8B). Heads are split on the gathered pages, not on the pool.
-      layer: scalar layer index.
-      positions: i32[B, T] absolute query positions; -1 marks padding.
-      page_table: i32[B, P]; a query at position p sees keys 0..p of its sequence.
-      scale: softmax scale (1/sqrt(D) for these families).
-    Returns:
-      f32[B, T, Hq, D].
-    """
+    at once (full scores [B, Hkv, G, T, S]): the reference `paged_attention` is tested
+    against, with its arguments and returns (padding rows give the mean of the values)."""
     b, t, hq, d = q.shape
     hkv = k_cache.shape[-1] // d
     group = hq // hkv
