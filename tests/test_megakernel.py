@@ -351,3 +351,20 @@ def test_pallas_backend_of_the_decode_step():
     # f32): per-row error 0.70% and 0.53% at the first decode step; bound 1.5x the larger.
     errors = _row_errors(out["pallas"][2][0], out["xla"][2][0])
     assert (errors <= 1.5 * 0.0071).all(), errors
+
+
+def test_a_new_page_holds_only_its_new_token():
+    """A row whose new token opens a page writes that page with zeros beside the token, even
+    when its block lands in a slot that held another row's pages (row 0's three pages sit in
+    slot 0 before row 2's one-page block): no other sequence's K/V leaks into the page."""
+    m, _ = mini_model("dense")
+    plan = make_plan(m.cfg, 4, PS, 4)
+    mp = pack_megakernel(plan, m.params)
+    k, v = _pool(m.cfg, 9)
+    table = np.array([[1, 2, 3, 4], [5, 6, 0, 0], [7, 8, 0, 0], [0, 0, 0, 0]], np.int32)
+    positions = np.array([40, 20, 16, -1], np.int32)  # row 2 opens page 8 at slot 0
+    step = jax.jit(partial(megakernel_step, plan, mp, interpret=True))
+    _, _, kk, kv, _ = step(k, v, TOKENS, positions, table)
+    for new in (kk, kv):
+        page = np.asarray(new[:, 8].astype(jnp.float32))  # [layers, PS, kv]
+        assert page[:, 0].any() and not page[:, 1:].any()

@@ -129,11 +129,13 @@ def _attend_block(ctx: Body, layer, item, carry):
     slot = rem(item, p.depth_kv)
     kv_read_wait(ctx, layer, item)
     row, block = r["it_seq"][item], r["it_idx"][item]
-    first_page = block * p.pages_per_block
+    first_page, count = block * p.pages_per_block, r["it_cnt"][item]
     for j in range(p.pages_per_block):
         page = pl.ds(j * p.page_size, p.page_size)
 
-        @pl.when(first_page + j == r["wlast"][row])
+        # Only a page the block read: a row whose new token opens a page (wlast one past its
+        # pages) keeps zeros there, not the slot's leftovers from another row's block.
+        @pl.when((first_page + j == r["wlast"][row]) & (j < count))
         def _merge(page=page):  # the page this step rewrites keeps every other row as it was
             keep = masks.page_row == r["wslot"][row]
             r["kw"][row] = jnp.where(keep, r["kw"][row], r["kbuf"][slot, page])
