@@ -59,7 +59,8 @@ def paged_attention(
 ) -> jnp.ndarray:
     """Causal attention of new queries over each sequence's paged keys, blockwise: an online
     softmax over blocks of KEY_BLOCK keys, and only the blocks up to the furthest query
-    position of the chunk are read (later blocks are masked for every query).
+    position of the chunk are read (later blocks are masked for every query). A one-token
+    (decode) call attends over the whole table at once.
 
     Args:
       q: f32[B, T, Hq, D] queries (already rotated).
@@ -68,13 +69,17 @@ def paged_attention(
         first made XLA copy a whole layer of the pool per layer (on tpu7x, 1.2 GB temps
         for Llama-3.1-8B). Heads are split on the gathered pages, not on the pool.
       layer: scalar layer index.
-      positions: i32[B, T] absolute query positions; -1 marks padding (its output is 0).
+      positions: i32[B, T] absolute query positions; -1 marks padding (its output is discarded).
       page_table: i32[B, P]; a query at position p sees keys 0..p of its sequence.
       scale: softmax scale (1/sqrt(D) for these families).
     Returns:
       f32[B, T, Hq, D].
     """
     b, t, hq, d = q.shape
+    if t == 1:
+        # A decode step's scores are [B, Hq, 1, S], small at any context; and a loop over
+        # the blocks made XLA:CPU copy the whole pool into the loop's carry.
+        return paged_attention_reference(q, k_cache, v_cache, layer, positions, page_table, scale)
     page_size, hkv = k_cache.shape[2], k_cache.shape[-1] // d
     group = hq // hkv
     per_block = max(1, min(page_table.shape[1], KEY_BLOCK // page_size))

@@ -99,11 +99,11 @@ def test_vmem_oom_messages_are_recognised():
 
 def test_compile_fitting_shrinks_a_plan_the_compiler_refuses(tmp_path):
     """A ring too deep for the compiler's limit is refused, shrunk, compiled; the verdict is
-    cached, so the second call compiles once (SmolLM2 under a 2.5 MiB limit, ~15 s)."""
+    cached, so the second call compiles once (SmolLM2 under a 3.5 MiB limit, ~15 s)."""
     cfg = load_config(str(CONFIGS / "smollm2-135m.json"))
     cache = tmp_path / "verdicts.json"
     # make_plan keeps depth 6 (its own budget is ample); the compiler's limit is not.
-    shape = dict(depth_a=6, vmem_limit=5 * MIB // 2, cache=cache)
+    shape = dict(depth_a=6, vmem_limit=7 * MIB // 2, cache=cache)
     first = compile_fitting(cfg, 8, 16, 64, **shape)
     assert first.refused and not first.from_cache
     assert all(is_vmem_oom(msg) for _, msg in first.refused)
