@@ -4,6 +4,8 @@ the same set for another target; `ProgramCache` holds the executables calls then
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -64,15 +66,20 @@ class ProgramCache:
     def __len__(self) -> int:
         return len(self.executables)
 
-    def warm(self, programs: Iterable[Program]) -> tuple[int, float]:
+    def warm(self, programs: Iterable[Program], jobs: int | None = None) -> tuple[int, float]:
         """Compiles (or loads from the persistent compilation cache) every program not held
-        yet; returns (programs compiled, seconds)."""
-        t0, n = time.perf_counter(), 0
-        for p in programs:
-            if (p.name, p.key) not in self.executables:
-                self.executables[p.name, p.key] = p.lower().compile()
-                n += 1
-        return n, time.perf_counter() - t0
+        yet, `jobs` at once (default: this host's cores); returns (programs compiled,
+        seconds)."""
+        t0 = time.perf_counter()
+        todo = {(p.name, p.key): p for p in programs if (p.name, p.key) not in self.executables}
+        # XLA's compile of one program runs mostly on one core and releases the GIL: a cold
+        # start compiles on every core (lowering, in Python, stays serial under the GIL).
+        jobs = max(1, min(jobs or os.cpu_count() or 1, len(todo)))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as ex:
+            done = ex.map(lambda p: p.lower().compile(), todo.values())
+            for key, exe in zip(todo, done):
+                self.executables[key] = exe
+        return len(todo), time.perf_counter() - t0
 
     def call(self, name: str, key: tuple, fn: Any, *args):
         exe = self.executables.get((name, key))

@@ -52,8 +52,11 @@ def test_cli_compiles_smollm2_for_tpu7x():
 
 
 @pytest.mark.tpu_compile
-@pytest.mark.parametrize("name", ["smollm2-135m", "llama-3.1-8b", "qwen3-30b-a3b"])
-@pytest.mark.parametrize("batch", [1, 8])
+# One batch per family here (CI compiles one representative of each); every model at batch
+# 1/8/32/64 and 4k/32k is `scripts/megakernel_sweep.py` and `megaserve kernels compile`.
+@pytest.mark.parametrize(
+    ("name", "batch"), [("smollm2-135m", 8), ("llama-3.1-8b", 1), ("qwen3-30b-a3b", 8)]
+)
 def test_real_shapes_compile_within_vmem_near_floor(name, batch):
     res = compile_megakernel(CompileRequest(str(CONFIGS / f"{name}.json"), "tpu7x", batch, 4096))
     assert res["compiled"], res.get("error")
@@ -66,9 +69,10 @@ def test_real_shapes_compile_within_vmem_near_floor(name, batch):
 
 @pytest.mark.tpu_compile
 @pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen3-30b-a3b"])
-@pytest.mark.parametrize("batch", [32, 64])
+@pytest.mark.parametrize("batch", [64])
 def test_large_batches_compile_at_8k_context(name, batch):
-    """Batch 32/64 at 8192 tokens per row: logits leave VMEM by DMA, so the plan fits.
+    """Batch 64 (the largest bucket; 32 is in the sweep) at 8192 tokens per row: logits
+    leave VMEM by DMA, so the plan fits.
 
     Qwen3-30B-A3B's weights (61 GB) plus a pool of 64 full rows (51.5 GB) exceed one tpu7x
     TensorCore's 94.7 GB HBM (CompileTimeHbmOom), so that case gets a half-size pool: the
