@@ -14,6 +14,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from kernels.exec_cache import compile_program
+
 
 @dataclass(frozen=True)
 class Program:
@@ -67,16 +69,16 @@ class ProgramCache:
         return len(self.executables)
 
     def warm(self, programs: Iterable[Program], jobs: int | None = None) -> tuple[int, float]:
-        """Compiles (or loads from the persistent compilation cache) every program not held
-        yet, `jobs` at once (default: this host's cores); returns (programs compiled,
-        seconds)."""
+        """Compiles (or loads from the executable cache or JAX's persistent compilation
+        cache) every program not held yet, `jobs` at once (default: this host's cores);
+        returns (programs compiled or loaded, seconds)."""
         t0 = time.perf_counter()
         todo = {(p.name, p.key): p for p in programs if (p.name, p.key) not in self.executables}
         # XLA's compile of one program runs mostly on one core and releases the GIL: a cold
         # start compiles on every core (lowering, in Python, stays serial under the GIL).
         jobs = max(1, min(jobs or os.cpu_count() or 1, len(todo)))
         with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as ex:
-            done = ex.map(lambda p: p.lower().compile(), todo.values())
+            done = ex.map(compile_program, todo.values())
             for key, exe in zip(todo, done):
                 self.executables[key] = exe
         return len(todo), time.perf_counter() - t0

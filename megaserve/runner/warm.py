@@ -7,6 +7,7 @@ import time
 
 import structlog
 
+from kernels.exec_cache import LoadedProgram
 from kernels.kv_cache import KVPool
 from kernels.programs import Program
 from megaserve.memory_plan import MemoryPlan, after_warm_up, tree_bytes
@@ -38,8 +39,15 @@ def warm_up(
     secs = time.perf_counter() - t0
     names = sorted({p.name for p in programs})
     counts = {name: sum(p.name == name for p in programs) for name in names}
-    log.info("programs compiled", programs=n, seconds=round(secs, 1), by_name=counts)
     exes = [*pool.programs_run.executables.values(), *runner.programs_run.executables.values()]
+    loaded = sum(isinstance(e, LoadedProgram) for e in exes)
+    log.info(
+        "programs compiled",
+        programs=n,
+        seconds=round(secs, 1),
+        by_name=counts,
+        from_exec_cache=loaded,
+    )
     pool_bytes = tree_bytes((pool.k, pool.v))
     plan = after_warm_up(plan, sum(weight_copies(runner).values()), pool_bytes, exes)
     log.info("memory plan", **plan.as_dict())

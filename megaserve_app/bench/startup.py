@@ -42,6 +42,7 @@ def bench_startup(role: str, args: list[str], cache_dir: str | None, runs: int =
                 "ready_s": round(ready_s, 1),
                 "programs": found.get("programs"),
                 "warm_up_s": found.get("seconds"),
+                "from_exec_cache": found.get("from_exec_cache"),
                 "by_name": found.get("by_name"),
                 "cache_dir": cache,
             }
