@@ -6,7 +6,7 @@ per SmolLM2 decode program on CPU, most of a warm start).
 Only executables compiled in this process are stored: XLA:CPU re-serializes an executable
 that was itself deserialized without some of its functions (a later load fails with
 `NOT_FOUND: Function ... not found`), so one that JAX's persistent cache answered is not
-written again (`tests/test_exec_cache.py` shows the loss and the rule)."""
+written again (docs/programs.md has the reproduction; `tests/test_exec_cache.py` the rule)."""
 
 from __future__ import annotations
 
@@ -62,6 +62,7 @@ def _source_digest() -> str:
     return h.hexdigest()
 
 
+@functools.cache
 def _cpu_flags() -> str:
     # A CPU executable is machine code for this host's instruction set.
     try:
@@ -73,9 +74,10 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _environment() -> str:
+@functools.cache
+def _fixed_environment() -> str:
+    """What cannot change within a process: versions, backend, flags, host, source."""
     backend = jax.extend.backend.get_backend()
-    config = sorted((k, repr(v)) for k, v in jax.config.values.items())
     return repr(
         (
             ENTRY_VERSION,
@@ -87,10 +89,15 @@ def _environment() -> str:
             os.environ.get("XLA_FLAGS"),
             os.environ.get("LIBTPU_INIT_ARGS"),
             _cpu_flags(),
-            config,
             _source_digest(),
         )
     )
+
+
+def _environment() -> str:
+    # JAX's config can change while a process runs (tests toggle it): read it per key.
+    config = sorted((k, repr(v)) for k, v in jax.config.values.items())
+    return _fixed_environment() + repr(config)
 
 
 def _single_device(args: Any) -> jax.Device | None:
@@ -112,9 +119,12 @@ def _single_device(args: Any) -> jax.Device | None:
 def program_key(program) -> str | None:
     """A digest of everything the program's executable depends on, or None when some part
     cannot be named reproducibly (a closure, an object printed by address): then no entry."""
+    return _key(program, _single_device(program.args))
+
+
+def _key(program, device) -> str | None:
     fn = program.fn
     info, fun = getattr(fn, "_jit_info", None), getattr(fn, "_fun", None)
-    device = _single_device(program.args)
     if info is None or fun is None or device is None:
         return None
     statics = []
@@ -184,10 +194,11 @@ def compile_program(program) -> Any:
     """The program's executable: loaded from this cache when an entry matches, else compiled
     (through JAX's persistent cache) and, when compiled here, stored for the next start."""
     root = cache_dir()
-    key = program_key(program) if root is not None else None
+    device = _single_device(program.args)
+    key = _key(program, device) if root is not None else None
     path = root / f"{key}.bin" if key else None
     if path is not None and path.exists():
-        loaded = _load(path, _single_device(program.args))
+        loaded = _load(path, device)
         if loaded is not None:
             return loaded
     _hits.seen = False
