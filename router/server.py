@@ -189,6 +189,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                             "finished",
                             request_id=job.request_id,
                             reason=reason,
+                            decode=c.worker_id,  # the worker whose stream ended it
                             tokens=usage.completion_tokens,
                             ms=round(1000 * (time.monotonic() - arrived), 1),
                         )

@@ -52,11 +52,11 @@ class Served:
     """`megaserve serve` as a subprocess (--verbose: the router's placement and migration log
     lines come through); its output is read in the background."""
 
-    def __init__(self, *args: str):
-        # Shapes compile on first use: these tests kill and restart workers on timers that a
-        # full warm-up (minutes cold on CPU) would not meet; warm-up has its own tests.
+    def __init__(self, *args: str, warm_up: str = "none"):
+        # By default shapes compile on first use: tests that kill and restart workers run on
+        # timers that a full warm-up (minutes cold on CPU) would not meet.
         cmd = [sys.executable, "-m", "megaserve_app.cli", "serve", "--port", "0"]
-        cmd += ["--warm-up", "none", *args]
+        cmd += ["--warm-up", warm_up, *args]
         self.p = subprocess.Popen(
             cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True,

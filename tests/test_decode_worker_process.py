@@ -111,7 +111,9 @@ def test_worker_process_lifecycle(redis_server):
 
 
 def test_prefill_worker_process_registers_and_stops(redis_server):
-    proc = _spawn("prefill", "pw1", redis_server.url)
+    # Registration only: no request runs, so no program is compiled (the prefill worker's
+    # warm-up runs in every `megaserve serve` test).
+    proc = _spawn("prefill", "pw1", redis_server.url, "--warm-up", "none")
     try:
         line = proc.stdout.readline()
         assert "READY prefill worker pw1" in line, line + proc.stderr.read()[-2000:]

@@ -112,12 +112,16 @@ def test_kill9_decode_worker_mid_generation(stack):
         if e.get("event") == "placed" and e.get("decode") == victim
     }
     migrated = {e["request_id"] for e in events if e.get("event") == "migrating"}
+    ended_on = {e["request_id"]: e["decode"] for e in events if e.get("event") == "finished"}
+    assert set(ended_on) == {s.rid for s in streams}, ended_on
     assert migrated <= on_victim, (migrated, on_victim)  # only the dead worker's moved
-    # A victim request far from its end when the worker died cannot have finished on it; one
-    # within the margin may have (its last tokens were in flight to the client at the kill).
-    must_move = {r for r in on_victim if before[r] < N_TOKENS - 100}
+    # A victim request whose last token the router had from the victim before the kill needed
+    # no move (the client may still have been reading it); every other one must have moved and
+    # ended on the survivor.
+    must_move = {r for r in on_victim if ended_on[r] != victim}
     assert must_move, ("no victim request was mid-run at the kill", before, on_victim)
     assert must_move <= migrated, ("victim requests were not migrated", must_move - migrated)
+    assert all(ended_on[r] != victim for r in migrated), (migrated, ended_on)
 
 
 def test_router_serves_through_a_redis_outage(stack):
