@@ -3,24 +3,53 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cache, partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from kernels.programs import Program, ProgramCache, abstract
 
-
-@partial(jax.jit, donate_argnums=(0, 1))
-def _write_pages(k, v, pages, k_new, v_new):
-    return k.at[:, pages].set(k_new.astype(k.dtype)), v.at[:, pages].set(v_new.astype(v.dtype))
+# Lanes of a TPU vreg: a pool row is padded to a multiple of this on TPU (below).
+LANES = 128
 
 
-@jax.jit
-def _read_pages(k, v, pages):
-    return k[:, pages], v[:, pages]
+def pool_row(num_kv_heads: int, head_dim: int, platform: str) -> int:
+    """Elements of one pool row (one token's K or V in one layer) on `platform`.
+
+    On TPU the row is padded to whole 128-lane tiles: the tiled layout pads a 192-lane row
+    (SmolLM2: 3 x 64) to 256 anyway, and without the padding XLA's default layout of a large
+    [L, pages, page_size, 192] pool puts the page dim minor, which the megakernel's page
+    DMAs and the XLA programs' row writes cannot use (`compile-worker` found 4-5 pool-sized
+    re-layout copies per program). Elsewhere rows are dense: padding would cost CPU memory
+    and bandwidth for nothing. The padding lanes hold zeros and are never read as K/V.
+    """
+    kv = num_kv_heads * head_dim
+    return -(-kv // LANES) * LANES if platform == "tpu" else kv
+
+
+def _write_pages(kv: int, k, v, pages, k_new, v_new):
+    # k_new/v_new rows are [Hkv * D]: a padded pool row keeps its zero padding lanes.
+    return (
+        k.at[:, pages, :, :kv].set(k_new.astype(k.dtype)),
+        v.at[:, pages, :, :kv].set(v_new.astype(v.dtype)),
+    )
+
+
+def _read_pages(kv: int, k, v, pages):
+    # Gather whole rows, then drop the padding: indexing `k[:, pages, :, :kv]` in one step
+    # compiled for tpu7x into 268 GB of temporaries for a 46 GB SmolLM2 pool (compile-worker).
+    return tuple(lax.slice_in_dim(jnp.take(x, pages, axis=1), 0, kv, axis=3) for x in (k, v))
+
+
+@cache
+def page_fns(kv: int) -> tuple[Any, Any]:
+    """The jitted (write, read) page programs for rows of kv = Hkv * D K/V elements."""
+    write = jax.jit(partial(_write_pages, kv), donate_argnums=(0, 1))
+    return write, jax.jit(partial(_read_pages, kv))
 
 
 def pow2_pieces(n: int) -> list[tuple[int, int]]:
@@ -38,10 +67,11 @@ def pow2_pieces(n: int) -> list[tuple[int, int]]:
 
 @dataclass
 class KVPool:
-    """K and V pages, f32/bf16[L, num_pages, page_size, Hkv * D]; page 0 is the null page.
+    """K and V pages, f32/bf16[L, num_pages, page_size, row]; page 0 is the null page.
 
-    One layout for every program that touches the pool (the megakernel, the XLA prefill and
-    decode steps, page import/export): a page is one contiguous [page_size, Hkv * D] block,
+    `row` is Hkv * D, padded to 128 lanes on TPU (`pool_row`). One layout for every program
+    that touches the pool (the megakernel, the XLA prefill and decode steps, page
+    import/export): a page is one contiguous [page_size, row] block,
     which is what the megakernel DMAs. On TPU a 5-D [.., Hkv, D] pool tiles its last two dims
     differently, so any program viewing it the other way re-lays out the whole pool; the
     heads are split only on the small arrays a program gathers from it. Host-side page
@@ -66,12 +96,15 @@ class KVPool:
         num_kv_heads: int,
         head_dim: int,
         dtype: Any = jnp.float32,
+        row: int | None = None,
     ) -> KVPool:
+        """row: elements per pool row (default `pool_row` for this process's backend)."""
         if num_pages < 2:
             raise ValueError(f"{num_pages=} must be >= 2 (page 0 is the null page)")
         if page_size < 1:
             raise ValueError(f"{page_size=} must be >= 1")
-        shape = (num_layers, num_pages, page_size, num_kv_heads * head_dim)
+        row = check_row(num_kv_heads, head_dim, row)
+        shape = (num_layers, num_pages, page_size, row)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), num_kv_heads, head_dim)
 
     @property
@@ -87,6 +120,11 @@ class KVPool:
         return self.k.shape[2]
 
     @property
+    def kv_width(self) -> int:
+        """Hkv * D: the K/V elements of a row (the rest of a padded row is padding)."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
     def bytes_per_page(self) -> int:
         """Bytes of K and V one page holds across all layers."""
         per = int(np.prod(self.k.shape)) // self.num_pages * self.k.dtype.itemsize
@@ -99,27 +137,32 @@ class KVPool:
     def write_pages(self, pages: np.ndarray, k_new: np.ndarray, v_new: np.ndarray) -> None:
         """Writes whole pages (imported KV): k_new/v_new [L, len(pages), page_size, Hkv, D]."""
         pages = np.asarray(pages, np.int32)
-        rows = (*k_new.shape[:3], -1)  # the pool's [.., Hkv * D] rows: a free host reshape
+        rows = (*k_new.shape[:3], -1)  # [.., Hkv * D] rows: a free host reshape
         dt = self.k.dtype
         k_new = np.asarray(k_new, dt).reshape(rows)
         v_new = np.asarray(v_new, dt).reshape(rows)
         for s, n in pow2_pieces(len(pages)):
             self.k, self.v = self.programs_run.call(
-                "kv_write", (n,), _write_pages, self.k, self.v, pages[s : s + n],
-                k_new[:, s : s + n], v_new[:, s : s + n],
+                "kv_write", (n,), page_fns(self.kv_width)[0], self.k, self.v,
+                pages[s : s + n], k_new[:, s : s + n], v_new[:, s : s + n],
             )  # fmt: skip
 
     def read_pages(self, pages) -> list[tuple[int, jax.Array, jax.Array]]:
         """K, V of `pages` as (offset, k, v) pieces, each [L, n, page_size, Hkv * D] on device
-        (the pool's layout: `heads_shape` splits the heads on the host); offsets index into
-        `pages`."""
+        (the pool's rows without their padding: `heads_shape` splits the heads on the host);
+        offsets index into `pages`."""
         pages = np.asarray(pages, np.int32)
         return [
             (
                 s,
                 *self.programs_run.call(
-                    "kv_read", (n,), _read_pages, self.k, self.v, pages[s : s + n]
-                ),
+                    "kv_read",
+                    (n,),
+                    page_fns(self.kv_width)[1],
+                    self.k,
+                    self.v,
+                    pages[s : s + n],
+                ),  # fmt: skip
             )
             for s, n in pow2_pieces(len(pages))
         ]
@@ -127,15 +170,17 @@ class KVPool:
     def page_programs(self, max_pages: int, read: bool, write: bool) -> list[Program]:
         """The page read/write programs for any count up to max_pages (power-of-two pieces)."""
         k, v = abstract(self.k), abstract(self.v)
+        write_fn, read_fn = page_fns(self.kv_width)
         out = []
         n = 1
         while n <= max_pages:
             idx = jax.ShapeDtypeStruct((n,), np.int32)
             if write:
-                rows = jax.ShapeDtypeStruct((self.num_layers, n, *self.k.shape[2:]), self.k.dtype)
-                out.append(Program("kv_write", (n,), _write_pages, (k, v, idx, rows, rows)))
+                shape = (self.num_layers, n, self.page_size, self.kv_width)
+                rows = jax.ShapeDtypeStruct(shape, self.k.dtype)
+                out.append(Program("kv_write", (n,), write_fn, (k, v, idx, rows, rows)))
             if read:
-                out.append(Program("kv_read", (n,), _read_pages, (k, v, idx)))
+                out.append(Program("kv_read", (n,), read_fn, (k, v, idx)))
             n *= 2
         return out
 
@@ -148,12 +193,13 @@ class KVPool:
         head_dim: int,
         budget_bytes: int,
         dtype: Any = jnp.float32,
+        row: int | None = None,
     ) -> KVPool:
         """The largest pool (null page included) whose K and V fit in budget_bytes."""
-        per_page = 2 * num_layers * page_size * num_kv_heads * head_dim
-        per_page *= np.dtype(dtype).itemsize
+        row = check_row(num_kv_heads, head_dim, row)
+        per_page = 2 * num_layers * page_size * row * np.dtype(dtype).itemsize
         n = cls.pages_for_budget(budget_bytes, per_page)
-        return cls.create(num_layers, n, page_size, num_kv_heads, head_dim, dtype)
+        return cls.create(num_layers, n, page_size, num_kv_heads, head_dim, dtype, row)
 
     @staticmethod
     def pages_for_budget(budget_bytes: int, bytes_per_page: int) -> int:
@@ -162,3 +208,14 @@ class KVPool:
         if n < 2:
             raise ValueError(f"KV budget {budget_bytes} B holds {n} pages of {bytes_per_page} B")
         return int(n)
+
+
+def check_row(num_kv_heads: int, head_dim: int, row: int | None) -> int:
+    """The pool row width: `row`, or this backend's `pool_row`; ValueError naming a row
+    that cannot hold Hkv * D or is not that width padded to whole lanes."""
+    kv = num_kv_heads * head_dim
+    if row is None:
+        return pool_row(num_kv_heads, head_dim, jax.default_backend())
+    if row not in (kv, -(-kv // LANES) * LANES):
+        raise ValueError(f"pool {row=}: must be Hkv * D = {kv} or that padded to {LANES} lanes")
+    return row

@@ -203,13 +203,26 @@ def finish_params(
         return put(a, dt or (jnp.float32 if a.ndim == 1 else dtype))
 
     return {
-        "embed": dev(embed, dtype),
+        "embed": dev(pad_rows(embed), dtype),
         "lm_head": dev(np.ascontiguousarray(lm_head.T), dtype),
         "final_norm": dev(final_norm, jnp.float32),
         "inv_freq": dev(inv_freq, jnp.float32),
         "rope_scale": jnp.float32(rope_scale) if on_device else np.float32(rope_scale),
         "layers": [{k: dev(np.ascontiguousarray(v)) for k, v in lp.items()} for lp in layers],
     }
+
+
+def pad_rows(embed: np.ndarray) -> np.ndarray:
+    """The embedding table [V, D] with its rows zero-padded to whole 128-lane tiles.
+
+    On TPU a [V, 576] table (SmolLM2) defaults to a column-major layout, and the row gather
+    re-laid the whole table out before every prefill and decode step (compile-worker); a
+    lane-multiple width defaults to row-major. Rows are gathered whole and cut back to D.
+    """
+    width = -(-embed.shape[1] // 128) * 128
+    if width == embed.shape[1]:
+        return embed
+    return np.pad(np.asarray(embed), ((0, 0), (0, width - embed.shape[1])))
 
 
 def pack_params(
@@ -254,7 +267,7 @@ def abstract_model(cfg: LlamaConfig, layers: list[dict], dtype: Any) -> dict[str
     """`finish_params`'s output as ShapeDtypeStructs around the given abstract layers."""
     d, v, f32 = cfg.hidden_size, cfg.vocab_size, jnp.float32
     return {
-        "embed": jax.ShapeDtypeStruct((v, d), dtype),
+        "embed": jax.ShapeDtypeStruct((v, -(-d // 128) * 128), dtype),  # `pad_rows`
         "lm_head": jax.ShapeDtypeStruct((d, v), dtype),
         "final_norm": jax.ShapeDtypeStruct((d,), f32),
         "inv_freq": jax.ShapeDtypeStruct((cfg.head_dim // 2,), f32),
@@ -302,7 +315,7 @@ def _layer(cfg, lp, h, cos, sin, positions, page_table, k_cache, v_cache, li, ml
     k_cache = write_kv(k_cache, li, k, positions, page_table)
     v_cache = write_kv(v_cache, li, v, positions, page_table)
     attn = paged_attention(
-        q, k_cache, v_cache, li, positions, page_table, cfg.head_dim**-0.5
+        q, k_cache, v_cache, li, positions, page_table, cfg.head_dim**-0.5, cfg.num_kv_heads
     ).reshape(b, t, cfg.q_size)
     o = mm(attn, lp["wo"])
     if cfg.o_bias:
@@ -346,7 +359,8 @@ def forward(
     Returns:
       (f32[B, V] logits, k_cache, v_cache).
     """
-    h = params["embed"][tokens].astype(params["embed"].dtype)
+    # The table's rows may be lane-padded (`pad_rows`): gathered whole, then cut to D.
+    h = params["embed"][tokens][..., : cfg.hidden_size].astype(params["embed"].dtype)
     cos, sin = rope_cos_sin(positions, params["inv_freq"], params["rope_scale"])
 
     for li, lp in enumerate(params["layers"]):

@@ -21,9 +21,10 @@ def write_kv(
     """Scatters new K or V rows into their pages.
 
     Args:
-      cache: f32[L, num_pages, page_size, Hkv * D] the pool (donated by callers).
+      cache: f32[L, num_pages, page_size, row] the pool (donated by callers); row is
+        Hkv * D, or that padded to whole lanes (`kv_cache.pool_row`).
       layer: scalar layer index.
-      new: f32[B, T, Hkv, D] rows for the new tokens (written as [Hkv * D] pool rows).
+      new: f32[B, T, Hkv, D] rows for the new tokens (written as pool rows, zero-padded).
       positions: i32[B, T] absolute positions; -1 marks padding (written to the null page).
       page_table: i32[B, P] page ids of each sequence.
     Returns:
@@ -35,11 +36,13 @@ def write_kv(
     page = jnp.take_along_axis(page_table, safe_pos // page_size, axis=1)
     page = jnp.where(valid, page, NULL_PAGE)
     slot = jnp.where(valid, safe_pos % page_size, 0)
+    b, t, hkv, d = new.shape
+    rows = new.reshape(-1, hkv * d).astype(cache.dtype)
+    if cache.shape[-1] != hkv * d:  # a padded pool row: whole rows, padding lanes zero
+        rows = jnp.pad(rows, ((0, 0), (0, cache.shape[-1] - hkv * d)))
     # Every index is in range by construction (padding goes to the null page), so skip the
     # out-of-bounds handling XLA would otherwise emit around the scatter.
-    return cache.at[layer, page.reshape(-1), slot.reshape(-1)].set(
-        new.reshape(-1, cache.shape[-1]).astype(cache.dtype), mode="promise_in_bounds"
-    )
+    return cache.at[layer, page.reshape(-1), slot.reshape(-1)].set(rows, mode="promise_in_bounds")
 
 
 # Keys per block of the blockwise attention: hundreds of keys per matmul, and scores of
@@ -56,6 +59,7 @@ def paged_attention(
     positions: jnp.ndarray,
     page_table: jnp.ndarray,
     scale: float,
+    num_kv_heads: int | None = None,
 ) -> jnp.ndarray:
     """Causal attention of new queries over each sequence's paged keys, blockwise: an online
     softmax over blocks of KEY_BLOCK keys, and only the blocks up to the furthest query
@@ -64,7 +68,7 @@ def paged_attention(
 
     Args:
       q: f32[B, T, Hq, D] queries (already rotated).
-      k_cache, v_cache: [L, num_pages, page_size, Hkv * D] the pool, new rows written; each
+      k_cache, v_cache: [L, num_pages, page_size, row] the pool, new rows written; each
         block is one gather of (layer, page) blocks straight from it: slicing the layer out
         first made XLA copy a whole layer of the pool per layer (on tpu7x, 1.2 GB temps
         for Llama-3.1-8B). Heads are split on the gathered pages, not on the pool.
@@ -72,6 +76,8 @@ def paged_attention(
       positions: i32[B, T] absolute query positions; -1 marks padding (its output is discarded).
       page_table: i32[B, P]; a query at position p sees keys 0..p of its sequence.
       scale: softmax scale (1/sqrt(D) for these families).
+      num_kv_heads: Hkv (default: the row's width over D, right for a dense row; a row
+        padded to lanes needs it).
     Returns:
       f32[B, T, Hq, D].
     """
@@ -79,8 +85,10 @@ def paged_attention(
     if t == 1:
         # A decode step's scores are [B, Hq, 1, S], small at any context; and a loop over
         # the blocks made XLA:CPU copy the whole pool into the loop's carry.
-        return paged_attention_reference(q, k_cache, v_cache, layer, positions, page_table, scale)
-    page_size, hkv = k_cache.shape[2], k_cache.shape[-1] // d
+        return paged_attention_reference(
+            q, k_cache, v_cache, layer, positions, page_table, scale, num_kv_heads
+        )
+    page_size, hkv = k_cache.shape[2], num_kv_heads or k_cache.shape[-1] // d
     group = hq // hkv
     per_block = max(1, min(page_table.shape[1], KEY_BLOCK // page_size))
     blocks = -(-page_table.shape[1] // per_block)
@@ -94,8 +102,8 @@ def paged_attention(
         pages = jax.lax.dynamic_slice_in_dim(table, j * per_block, per_block, axis=1)
         # mode="clip": page ids are in range by construction; the default fill mode's bounds
         # handling made this gather ~2x slower on XLA:CPU.
-        keys = k_cache.at[layer, pages].get(mode="clip").reshape(b, width, hkv, d)
-        vals = v_cache.at[layer, pages].get(mode="clip").reshape(b, width, hkv, d)
+        keys = k_cache.at[layer, pages].get(mode="clip")[..., : hkv * d].reshape(b, width, hkv, d)
+        vals = v_cache.at[layer, pages].get(mode="clip")[..., : hkv * d].reshape(b, width, hkv, d)
         scores = jnp.einsum("bkgtd,bskd->bkgts", qg, keys.astype(q.dtype)) * scale
         seen = (j * width + jnp.arange(width))[None, None, :] <= positions[:, :, None]
         seen = seen[:, None, None]  # [B, 1, 1, T, width]
@@ -124,17 +132,18 @@ def paged_attention_reference(
     positions: jnp.ndarray,
     page_table: jnp.ndarray,
     scale: float,
+    num_kv_heads: int | None = None,
 ) -> jnp.ndarray:
     """Causal attention of new queries over each sequence's paged keys, the whole page table
     at once (full scores [B, Hkv, G, T, S]): the reference `paged_attention` is tested
     against, with its arguments and returns (padding rows give the mean of the values)."""
     b, t, hq, d = q.shape
-    hkv = k_cache.shape[-1] // d
+    hkv = num_kv_heads or k_cache.shape[-1] // d
     group = hq // hkv
     # mode="clip": page ids are in range by construction; the default fill mode's bounds
     # handling made this gather ~2x slower on XLA:CPU.
-    keys = k_cache.at[layer, page_table].get(mode="clip").reshape(b, -1, hkv, d)
-    vals = v_cache.at[layer, page_table].get(mode="clip").reshape(b, -1, hkv, d)
+    keys = k_cache.at[layer, page_table].get(mode="clip")[..., : hkv * d].reshape(b, -1, hkv, d)
+    vals = v_cache.at[layer, page_table].get(mode="clip")[..., : hkv * d].reshape(b, -1, hkv, d)
     qg = q.reshape(b, t, hkv, group, d)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys.astype(q.dtype)) * scale
     s_idx = jnp.arange(keys.shape[1])

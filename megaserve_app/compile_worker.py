@@ -58,13 +58,14 @@ def device_hbm_bytes(device, target: str) -> int:
 
 
 def _setup(t: WorkerTarget, kv_pages: int):
-    """(role's programs, runner, abstract pool, backend, why) for a pool of kv_pages pages."""
+    """(role's programs, runner, abstract pool, backend, why, served) for a pool of kv_pages
+    pages; served: `_served`'s report fields (decode role) or {}."""
     import jax
     import jax.numpy as jnp
 
     from decode_service import programs as decode_programs
     from decode_service.scheduler import SchedulerConfig
-    from kernels.kv_cache import KVPool
+    from kernels.kv_cache import KVPool, pool_row
     from kernels.megakernel.aot import load_config
     from kernels.registry import family_for
     from megaserve.runner.factory import choose_backend
@@ -76,7 +77,8 @@ def _setup(t: WorkerTarget, kv_pages: int):
     family, _ = family_for(cfg.model_type)
     dtype = jnp.bfloat16 if t.dtype == "bf16" else jnp.float32
     params = family.abstract_params(cfg, dtype)
-    shape = (cfg.num_layers, kv_pages, t.page_size, cfg.num_kv_heads * cfg.head_dim)
+    row = pool_row(cfg.num_kv_heads, cfg.head_dim, "tpu")  # the target's rows: lane-padded
+    shape = (cfg.num_layers, kv_pages, t.page_size, row)
     kv = jax.ShapeDtypeStruct(shape, dtype)
     pool = KVPool(kv, kv, cfg.num_kv_heads, cfg.head_dim)
     max_pages = math.ceil(t.max_context / t.page_size)
@@ -84,19 +86,25 @@ def _setup(t: WorkerTarget, kv_pages: int):
         backend, why = "xla", "prefill programs are XLA on every backend"
         step = prefill_engine.step_config(_prefill_cfg(t), max_pages)
         runner = XlaRunner(family, cfg, params, pool, step)
-        return prefill_engine.engine_programs(runner, pool, max_pages), runner, pool, backend, why
+        programs = prefill_engine.engine_programs(runner, pool, max_pages)
+        return programs, runner, pool, backend, why, {}
     # The worker's own choice, for a TPU target (a BackendError is a ValueError: exit 2).
     backend, why = choose_backend(cfg, t.page_size, t.backend, platform="tpu")
     sched = SchedulerConfig(max_running=t.max_running, prefill_chunk=t.prefill_chunk)
     step = decode_programs.step_config(sched, t.max_running, max_pages)
     if backend == "pallas":
         runner = MegakernelRunner(family, cfg, params, pool, step, interpret=False)
-        most, limit = runner.max_batch()
-        if most < t.max_running:
-            raise ValueError(f"--max-running {t.max_running}: the megakernel plans {limit}")
     else:
         runner = XlaRunner(family, cfg, params, pool, step)
-    return decode_programs.engine_programs(runner, pool, max_pages), runner, pool, backend, why
+    # The worker's own set (`decode_programs.fit_running`): a batch one call cannot take (the
+    # megakernel's VMEM plan) is never run; max_running is lowered and the report says so.
+    served = _served(runner, t)
+    if served["max_running_served"] < t.max_running:
+        runner.step_cfg = decode_programs.step_config(
+            sched, served["max_running_served"], max_pages
+        )
+    programs = decode_programs.engine_programs(runner, pool, max_pages)
+    return programs, runner, pool, backend, why, served
 
 
 def _prefill_cfg(t: WorkerTarget):
@@ -160,11 +168,11 @@ def compile_worker(t: WorkerTarget) -> dict[str, Any]:
     dev, sharding, mesh = target_device(t.target)  # ValueError naming a bad target
     t0 = time.perf_counter()
     capacity = device_hbm_bytes(dev, t.target)
-    _, runner, pool, _, _ = _setup(t, 2)  # sizes only: weights, bytes per page
+    _, runner, pool, _, _, _ = _setup(t, 2)  # sizes only: weights, bytes per page
     weights = weight_copies(runner)
     bytes_per_page = pool.bytes_per_page
     pages = _pool_pages(t, capacity, sum(weights.values()), bytes_per_page)
-    programs, runner, pool, backend, why = _setup(t, pages)
+    programs, runner, pool, backend, why, served = _setup(t, pages)
     resident = [runner.params, getattr(runner, "mparams", None)]
     weight_shapes = [x.shape for x in jax.tree.leaves(resident) if x.ndim >= 2]
     pool_bytes = pages * bytes_per_page
@@ -199,6 +207,7 @@ def compile_worker(t: WorkerTarget) -> dict[str, Any]:
         "backend": backend,
         "backend_why": why,
         "max_running": t.max_running if t.role == "decode" else None,
+        **served,
         "max_batch": t.max_batch if t.role == "prefill" else None,
         "max_context": t.max_context,
         "page_size": t.page_size,
@@ -213,6 +222,16 @@ def compile_worker(t: WorkerTarget) -> dict[str, Any]:
         "memory_plan": plan.describe(),
         "compile_s": round(time.perf_counter() - t0, 1),
     }
+
+
+def _served(runner, t: WorkerTarget) -> dict[str, Any]:
+    """The decode batch the worker serves at most, and why when it is below --max-running."""
+    most, why = runner.max_batch()
+    served = min(most, t.max_running)
+    out: dict[str, Any] = {"max_running_served": served}
+    if served < t.max_running:
+        out["max_running_why"] = f"lowered from {t.max_running} as the worker does: {why}"
+    return out
 
 
 def _vmem_bytes(runner, program) -> int | None:

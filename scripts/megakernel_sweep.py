@@ -15,6 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kernels.kv_cache import pool_row  # noqa: E402
 from kernels.megakernel.aot import CompileRequest, _accounting, compile_megakernel, load_config  # noqa: E402
 from kernels.megakernel.plan import make_plan  # noqa: E402
 
@@ -26,7 +27,9 @@ def row(path: str, batch: int, context: int, compile_it: bool) -> str:
     cfg = load_config(path)
     req = CompileRequest(path, batch=batch, context=context)
     try:
-        plan = make_plan(cfg, batch, req.page_size, math.ceil(context / req.page_size))
+        kv_row = pool_row(cfg.num_kv_heads, cfg.head_dim, "tpu")  # the TPU pool's rows
+        pages = math.ceil(context / req.page_size)
+        plan = make_plan(cfg, batch, req.page_size, pages, kv_row=kv_row)
     except ValueError as e:  # the VMEM plan refuses: say so, with its figure
         return f"| {Path(path).stem} | {batch} | {context} | refused: {str(e)[:70]} |||||||"
     r = compile_megakernel(req) if compile_it else _accounting(req, cfg, plan)

@@ -45,6 +45,9 @@ def mini_model(kind: str):
             for name, n in (("q", q), ("k", kv), ("v", kv)):
                 bias = (rng.standard_normal(n) * 0.5).astype(np.float32)
                 t[f"model.layers.{i}.self_attn.{name}_proj.bias"] = bias
+    elif kind == "kv192":  # 3 kv heads of 64: a K/V row of 192 lanes (SmolLM2's)
+        hf = tiny_llama_config(**(MINI | {"num_attention_heads": 6, "num_key_value_heads": 3}))
+        t = random_tensors(hf, scale=0.2)
     else:
         hf = tiny_llama_config(**MINI)
         t = random_tensors(hf, scale=0.2)

@@ -63,3 +63,19 @@ def test_compile_worker_compiles_the_whole_set(config, role, extra, names):
 def test_bad_requests_exit_2(args, needle):
     r = _cli("--config", str(FIXTURES / "tiny" / "llama_gqa2" / "config.json"), *args, timeout=300)
     assert r.returncode == 2 and needle in r.stderr, r.stderr[-2000:]
+
+
+def test_a_batch_the_megakernel_cannot_plan_is_lowered_as_the_worker_does():
+    """Qwen3-14B at batch 64 needs 60.2 MiB of VMEM (56 MiB budget): the worker serves at
+    most 32 at once (`fit_running`), and compile-worker builds that set and says why. No
+    compile here: the program set and the report's fields only."""
+    from megaserve_app.compile_worker import WorkerTarget, _setup
+
+    t = WorkerTarget(str(REPO / "configs" / "models" / "qwen3-14b.json"), max_running=64)
+    programs, runner, _, backend, _, served = _setup(t, 64)
+    assert backend == "pallas"
+    assert max(p.key[0] for p in programs if p.name == "pallas_decode") == 32
+    assert served["max_running_served"] == 32
+    assert (
+        "lowered from 64" in served["max_running_why"] and "60.2 MiB" in served["max_running_why"]
+    )

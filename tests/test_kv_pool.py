@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from kernels import kv_cache
 from kernels.kv_cache import KVPool, pow2_pieces
@@ -16,9 +17,13 @@ def test_pow2_pieces_cover_exactly():
         assert all(size & (size - 1) == 0 for _, size in pieces)
 
 
-def test_write_then_read_any_count_round_trips_and_compiles_few_shapes():
-    pool = KVPool.create(2, 80, 4, 2, 8)
-    writes0, reads0 = kv_cache._write_pages._cache_size(), kv_cache._read_pages._cache_size()
+# 16: dense rows (Hkv * D, as on CPU); 128: rows padded to whole lanes (as on TPU).
+@pytest.mark.parametrize("row", [16, 128])
+def test_write_then_read_any_count_round_trips_and_compiles_few_shapes(row):
+    pool = KVPool.create(2, 80, 4, 2, 8, row=row)
+    assert pool.k.shape == (2, 80, 4, row)
+    write_fn, read_fn = kv_cache.page_fns(pool.kv_width)
+    writes0, reads0 = write_fn._cache_size(), read_fn._cache_size()
     rng = np.random.default_rng(0)
     free = list(range(1, 80))
     rng.shuffle(free)
@@ -43,6 +48,15 @@ def test_write_then_read_any_count_round_trips_and_compiles_few_shapes():
         np.testing.assert_array_equal(k, written[p][0])
         np.testing.assert_array_equal(v, written[p][1])
     assert np.all(np.asarray(pool.k[:, 0]) == 0)  # the null page is never written
+    assert np.all(np.asarray(pool.k[..., 16:]) == 0)  # padding lanes stay zero
     # Six write counts and two read counts: pieces of 1, 2, 4, 8, 16 and 32 pages only.
-    assert kv_cache._write_pages._cache_size() - writes0 <= 6  # (other tests' pools count too)
-    assert kv_cache._read_pages._cache_size() - reads0 <= 6
+    assert write_fn._cache_size() - writes0 <= 6  # (other tests' pools count too)
+    assert read_fn._cache_size() - reads0 <= 6
+
+
+def test_a_row_that_is_neither_dense_nor_lane_padded_is_refused():
+    with pytest.raises(ValueError, match="row=100"):
+        KVPool.create(2, 8, 4, 2, 8, row=100)
+    assert kv_cache.pool_row(3, 64, "tpu") == 256  # SmolLM2: 192 lanes padded to 256
+    assert kv_cache.pool_row(3, 64, "cpu") == 192
+    assert kv_cache.pool_row(8, 128, "tpu") == 1024

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.kv_cache import KVPool
+from kernels.kv_cache import KVPool, pool_row
 from kernels.llama import rms_norm
 from kernels.rope import apply_rope, rope_cos_sin
 from megaserve.kv.pages import pages_for_tokens
@@ -20,7 +20,7 @@ from megaserve.sampling_params import SamplingArrays
 def contiguous_logits(cfg, params, ids: list[int]) -> np.ndarray:
     """Full causal forward over the whole sequence with a dense [T, T] mask; f32[T, V]."""
     t = len(ids)
-    h = params["embed"][jnp.asarray(ids)][None]
+    h = params["embed"][jnp.asarray(ids)][None, :, : cfg.hidden_size]
     pos = jnp.arange(t)[None]
     cos, sin = rope_cos_sin(pos, params["inv_freq"], params["rope_scale"])
     mask = jnp.tril(jnp.ones((t, t), bool))
@@ -46,16 +46,20 @@ def contiguous_logits(cfg, params, ids: list[int]) -> np.ndarray:
     return np.asarray(h @ params["lm_head"])[0]
 
 
-@pytest.mark.parametrize("page_size", [16, 128])
-def test_paged_batch_decode_matches_contiguous(tiny_model, page_size):
+# "tpu": the pool's rows padded to 128 lanes, as a TPU worker's pool is (`pool_row`).
+@pytest.mark.parametrize("page_size,rows", [(16, "cpu"), (128, "cpu"), (16, "tpu")])
+def test_paged_batch_decode_matches_contiguous(tiny_model, page_size, rows):
     cfg, params = tiny_model.cfg, tiny_model.params
+    row = pool_row(cfg.num_kv_heads, cfg.head_dim, rows)
     rng = np.random.default_rng(1)
     # Lengths straddle page boundaries so some sequences open a new page mid-batch.
     lengths = [5, page_size - 1, page_size, page_size + 1, 2 * page_size - 2, 37]
     steps = 4
     pages_per_seq = pages_for_tokens(max(lengths) + steps + 1, page_size)
     n_pages = len(lengths) * pages_per_seq + 1
-    pool = KVPool.create(cfg.num_layers, n_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+    pool = KVPool.create(
+        cfg.num_layers, n_pages, page_size, cfg.num_kv_heads, cfg.head_dim, row=row
+    )
     runner = XlaRunner(
         tiny_model.family, cfg, params, pool, StepConfig(max_pages_per_seq=pages_per_seq)
     )
@@ -88,6 +92,9 @@ def test_paged_batch_decode_matches_contiguous(tiny_model, page_size):
         got = logits[:, b]
         np.testing.assert_allclose(got, ref[len(seq) - 1 :], rtol=2e-5, atol=2e-5)
         assert out[:, b].tolist() == np.argmax(ref[len(seq) - 1 :], -1).tolist()
+    kv = cfg.num_kv_heads * cfg.head_dim
+    assert pool.k.shape[-1] == row and (row > kv) == (rows == "tpu")
+    assert not np.asarray(pool.k[..., kv:]).any() and not np.asarray(pool.v[..., kv:]).any()
 
 
 def test_prefill_in_chunks_equals_one_chunk(tiny_model):
@@ -138,3 +145,10 @@ def test_blockwise_attention_equals_the_whole_table(monkeypatch, key_block):
     live = pos >= 0
     np.testing.assert_allclose(got[live], want[live], rtol=1e-5, atol=1e-5)
     assert not got[~live].any()
+    # Rows padded to 128 lanes (a TPU pool), the padding filled with noise: never read.
+    noise = jnp.asarray(rng.standard_normal((layers, n_pages, ps, 128 - hkv * d)), jnp.float32)
+    padded = [jnp.concatenate([x, noise], axis=-1) for x in (k, v)]
+    attend = jax.jit(pa.paged_attention, static_argnums=(3, 6, 7))
+    for fn in (attend, pa.paged_attention_reference):
+        out = np.asarray(fn(q, *padded, *args[3:], hkv))
+        np.testing.assert_allclose(out[live], want[live], rtol=1e-5, atol=1e-5)

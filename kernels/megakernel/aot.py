@@ -71,20 +71,22 @@ def compile_megakernel(req: CompileRequest) -> dict[str, Any]:
     if req.batch < 1 or req.context < 2:
         raise ValueError(f"batch={req.batch} must be >= 1 and context={req.context} >= 2")
     quiet_env()
+    from kernels.kv_cache import pool_row
     from kernels.megakernel.plan import make_plan
 
     cfg = load_config(req.config_path)
     pages = math.ceil(req.context / req.page_size)
+    # The target's pool layout: rows padded to lanes on TPU (`kv_cache.pool_row`).
+    row = pool_row(cfg.num_kv_heads, cfg.head_dim, "tpu")
+    shape = {"emit_logits": req.emit_logits, "kv_row": row}
     if req.depth_a is not None:  # a forced plan gets the compiler's verdict, no retry
         forced = {"depth_a": req.depth_a, "vmem_budget": 2**40}
-        plan = make_plan(
-            cfg, req.batch, req.page_size, pages, emit_logits=req.emit_logits, **forced
-        )
+        plan = make_plan(cfg, req.batch, req.page_size, pages, **shape, **forced)
         result = _accounting(req, cfg, plan)
         _compile(req, plan, result)
         return result
     # make_plan first: a request no plan fits is a bad request (ValueError), as before.
-    plan = make_plan(cfg, req.batch, req.page_size, pages, emit_logits=req.emit_logits)
+    plan = make_plan(cfg, req.batch, req.page_size, pages, **shape)
     from kernels.megakernel.fit import compile_fitting  # fit builds on this module
 
     try:
@@ -95,7 +97,7 @@ def compile_megakernel(req: CompileRequest) -> dict[str, Any]:
             pages,
             target=req.target,
             pool_pages=req.pool_pages,
-            emit_logits=req.emit_logits,
+            **shape,
         )
     except Exception as e:  # refused even at depth 2, or not a VMEM verdict
         result = _accounting(req, cfg, plan)

@@ -63,7 +63,8 @@ def _project_qkv(ctx: Body, a_first, vec_slot):
     """q of every query-head group into the `q` scratch; returns the new tokens' k and v.
 
     Returns:
-      (keys, values): f32[B, kv] each, rounded to the pool's dtype.
+      (keys, values): f32[B, kv_row] each (a pool row: lanes past kv are zero), rounded to
+      the pool's dtype.
     """
     p, r = ctx.plan, ctx.refs
     ln_attn = ctx.vec_row(vec_slot, VecRow.LN_ATTN, p.hidden_p)
@@ -89,13 +90,15 @@ def _project_qkv(ctx: Body, a_first, vec_slot):
     if p.qk_norm:
         keys = _head_norm(ctx, keys, ctx.vec_row(vec_slot, VecRow.K_NORM, p.ta))
     # Rounded as the pool stores them, so this token's own score matches a re-read.
-    keys = _rope(ctx, keys)[:, : p.kv].astype(p.kv_dtype).astype(jnp.float32)
-    values = project(p.group + 1)[:, : p.kv].astype(p.kv_dtype).astype(jnp.float32)
+    # The RoPE tables and the v tile's padding columns are zero past kv: so are these lanes.
+    keys = _rope(ctx, keys)[:, : p.kv_row].astype(p.kv_dtype).astype(jnp.float32)
+    values = project(p.group + 1)[:, : p.kv_row].astype(p.kv_dtype).astype(jnp.float32)
     return keys, values
 
 
 def _start_online_softmax(ctx: Body, keys, values) -> None:
-    """Puts each row's new K/V (f32[B, kv] each) into its write page and starts its softmax.
+    """Puts each row's new K/V (f32[B, kv_row] each) into its write page and starts its
+    softmax.
 
     The online softmax starts from the new token itself: every row has one finite score
     before any block is read, so masked keys can never divide by zero. Once per row and
@@ -105,9 +108,10 @@ def _start_online_softmax(ctx: Body, keys, values) -> None:
     p, r = ctx.plan, ctx.refs
     page_row = ctx.masks.page_row
     for row in range(p.batch):
-        key, value = keys[row : row + 1], values[row : row + 1]
+        key, value = keys[row : row + 1], values[row : row + 1]  # f32[1, kv_row]
         r["kw"][row] = jnp.where(page_row == r["wslot"][row], key, 0.0).astype(p.kv_dtype)
         r["vw"][row] = jnp.where(page_row == r["wslot"][row], value, 0.0).astype(p.kv_dtype)
+        key, value = key[:, : p.kv], value[:, : p.kv]
         # All of the row's groups at once: f32[g, kv] on sublanes, each head's score
         # repeated over its lanes.
         score = dot(r["q"][row] * key, r["seg"][...], HIGHEST)

@@ -140,7 +140,7 @@ class AttentionMasks:
     first_half_of_head: Any  # bool[B, ta]: lane j is in the first half of its head
     head_seg: Any  # f32[ta, 128]: `head_segments` over the padded K/V width
     head_seg_t: Any  # f32[128, ta]: its transpose
-    page_row: Any  # i32[page_size, kv]: the row (token slot) index within a page
+    page_row: Any  # i32[page_size, kv_row]: the row (token slot) index within a page
     block_key: Any  # i32[1, block_width]: the key index within a K/V read block
     head_dim: int
 

@@ -88,7 +88,7 @@ def kernel_body(plan: MegaPlan, *refs) -> None:
         first_half_of_head=(lane & (p.head_dim - 1)) < p.head_dim // 2,
         head_seg=head_segments(p, p.ta, LANES, False),
         head_seg_t=head_segments(p, LANES, p.ta, True),
-        page_row=lax.broadcasted_iota(jnp.int32, (p.page_size, p.kv), 0),
+        page_row=lax.broadcasted_iota(jnp.int32, (p.page_size, p.kv_row), 0),
         block_key=lax.broadcasted_iota(jnp.int32, (1, p.block_width), 1),
         head_dim=p.head_dim,
     )

@@ -7,6 +7,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from kernels.llama import pad_rows
 from kernels.megakernel.plan import MegaPlan, VecRow
 
 
@@ -87,7 +88,10 @@ def pack_megakernel(plan: MegaPlan, params: dict) -> dict[str, Any]:
         "ring_b": jnp.asarray(np.stack(b_tiles), wd),
         "vec": jnp.asarray(vec),
         "final_norm": jnp.asarray(_pad(np.asarray(params["final_norm"])[None], (1, dp))),
-        "embed": jnp.asarray(params["embed"], wd),
+        # Rows padded to lanes (`llama.pad_rows`, the family's params already are): a
+        # [V, 576] table's default TPU layout is column-major, and the row gather re-laid the
+        # whole table out before every step (compile-worker).
+        "embed": jnp.asarray(pad_rows(np.asarray(params["embed"])), wd),
         "inv_freq": params["inv_freq"],
         "rope_scale": params["rope_scale"],
     }
@@ -159,7 +163,7 @@ def unpack_megakernel(plan: MegaPlan, mparams: dict) -> dict[str, Any]:
         layers.append(lp)
     lm_head = jnp.concatenate([ring_a[p.lm_base + t] for t in range(p.vocab_tiles)], axis=1)
     return {
-        "embed": f32(mparams["embed"]),
+        "embed": f32(mparams["embed"]),  # lane-padded rows, as the family's (`pad_rows`)
         "lm_head": lm_head[:, : p.vocab],
         "final_norm": f32(mparams["final_norm"])[0, :dm],
         "inv_freq": mparams["inv_freq"],
@@ -174,7 +178,7 @@ def abstract_params(plan: MegaPlan) -> dict[str, Any]:
 
     out = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in plan.hbm_shapes().items()}
     out["final_norm"] = jax.ShapeDtypeStruct((1, plan.hidden_p), jnp.float32)
-    out["embed"] = jax.ShapeDtypeStruct((plan.vocab, plan.hidden), plan.weight_dtype)
+    out["embed"] = jax.ShapeDtypeStruct((plan.vocab, plan.hidden_p), plan.weight_dtype)
     out["inv_freq"] = jax.ShapeDtypeStruct((plan.head_dim // 2,), jnp.float32)
     out["rope_scale"] = jax.ShapeDtypeStruct((), jnp.float32)
     return out

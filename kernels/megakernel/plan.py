@@ -77,6 +77,9 @@ class MegaPlan:
     head_dim: int
     kv: int  # Hkv * head_dim: lanes of one K/V row in a page
     ta: int  # tile width of ring A = rows of ring B = kv padded to lanes
+    # Lanes of a pool row (`kv_cache.pool_row`): kv, or ta where the pool pads its rows to
+    # lanes (TPU); the page buffers take the pool's rows whole, padding included.
+    kv_row: int
     ffn_tiles: int  # dense MLP gate (and up, and down) tiles per layer
     vocab: int
     vocab_tiles: int
@@ -221,11 +224,11 @@ class MegaPlan:
             Scratch("sem_b", (self.depth_b,), None, "sem"),
             Scratch("vec", (2, self.vec_rows, self.vec_width), jnp.float32),
             Scratch("sem_vec", (2,), None, "sem"),
-            Scratch("kbuf", (self.depth_kv, self.block_width, kv), self.kv_dtype),
-            Scratch("vbuf", (self.depth_kv, self.block_width, kv), self.kv_dtype),
+            Scratch("kbuf", (self.depth_kv, self.block_width, self.kv_row), self.kv_dtype),
+            Scratch("vbuf", (self.depth_kv, self.block_width, self.kv_row), self.kv_dtype),
             Scratch("sem_kv", (self.depth_kv, 2), None, "sem"),
-            Scratch("kw", (b, ps, kv), self.kv_dtype),
-            Scratch("vw", (b, ps, kv), self.kv_dtype),
+            Scratch("kw", (b, ps, self.kv_row), self.kv_dtype),
+            Scratch("vw", (b, ps, self.kv_row), self.kv_dtype),
             Scratch("sem_w", (b, 2), None, "sem"),
             Scratch("h", (b, dp), jnp.float32),
             # Per row, its g query-head groups on sublanes: a (b, g, 1, X) layout would pad
@@ -331,6 +334,7 @@ def make_plan(
         head_dim=hd,
         kv=kv,
         ta=ta,
+        kv_row=kv,
         ffn_tiles=-(-dense_f // ta),
         vocab=cfg.vocab_size,
         vocab_tiles=-(-cfg.vocab_size // ta),
@@ -347,6 +351,8 @@ def make_plan(
         pages_per_seq=pages_per_seq,
     )
     plan = replace(plan, **overrides)
+    if plan.kv_row not in (kv, ta):
+        raise ValueError(f"megakernel: pool row {plan.kv_row} must be {kv} or {ta} lanes")
     # Shrink the deepest ring first until the allocation fits; depth 2 keeps one load in
     # flight per ring while the other slot is consumed, depth 1 would serialise the stream.
     while plan.vmem_bytes() > vmem_budget:

@@ -58,7 +58,7 @@ def _attention(p: MegaPlan, mp, li, h, cos, sin, positions, page_table, k_cache,
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_cache = write_kv(k_cache, li, k, positions, page_table)
     v_cache = write_kv(v_cache, li, v, positions, page_table)
-    attn = paged_attention(q, k_cache, v_cache, li, positions, page_table, hd**-0.5)
+    attn = paged_attention(q, k_cache, v_cache, li, positions, page_table, hd**-0.5, hkv)
     attn = attn.reshape(b, t, hkv, g, hd).transpose(0, 1, 3, 2, 4).reshape(b, t, g, kv)
     wo = mp["ring_b"][b0 : b0 + g, :kv, : p.hidden]  # [G, kv, D]
     o = _dot("btge,ged->btd", attn, wo)
@@ -172,8 +172,7 @@ def ring_forward(
       (f32[B, V] logits, k_cache, v_cache), as `llama.forward`.
     """
     p, mp = plan, mparams
-    embed = mp["embed"]
-    h = embed[tokens].astype(dtype)
+    h = mp["embed"][tokens][..., : p.hidden].astype(dtype)  # rows are lane-padded
     cos, sin = rope_cos_sin(positions, mp["inv_freq"], mp["rope_scale"])
     for li in range(p.num_layers):
         h, k_cache, v_cache = _attention(

@@ -36,8 +36,7 @@ def step_inputs(plan: MegaPlan, mparams: dict, tokens, positions, page_table) ->
         )
     valid = positions >= 0
     safe = jnp.where(valid, positions, 0)
-    h0 = jnp.take(mparams["embed"], tokens, axis=0).astype(jnp.float32)
-    h0 = jnp.pad(h0, ((0, 0), (0, p.hidden_p - p.hidden)))
+    h0 = jnp.take(mparams["embed"], tokens, axis=0).astype(jnp.float32)  # [B, hidden_p]
     # RoPE per lane of a [Hkv * D] row (HF half layout repeated per head; padding lanes 0).
     lane = jnp.arange(p.ta)
     freq = mparams["inv_freq"][(lane % p.head_dim) % (p.head_dim // 2)]
@@ -141,7 +140,7 @@ def megakernel_step(
     Args:
       plan: static plan (batch and page-table width included).
       mparams: `pack_megakernel` output.
-      k_cache, v_cache: [L, num_pages, page_size, Hkv * D] pools (`KVPool`'s layout) in the
+      k_cache, v_cache: [L, num_pages, page_size, kv_row] pools (`KVPool`'s layout) in the
         kernel's KV dtype; donate them under jit: the kernel writes each row's new K/V into
         its page in place.
       tokens: i32[B]; positions: i32[B] (-1 = padding row); page_table: i32[B, P].
@@ -151,8 +150,8 @@ def megakernel_step(
       kind (`kernel.DMA_KINDS`) or None).
     """
     p = plan
-    if k_cache.ndim != 4 or k_cache.shape[-1] != p.kv:
-        raise ValueError(f"pool shape {k_cache.shape} is not [L, pages, page_size, {p.kv}]")
+    if k_cache.ndim != 4 or k_cache.shape[-1] != p.kv_row:
+        raise ValueError(f"pool shape {k_cache.shape} is not [L, pages, page_size, {p.kv_row}]")
     k4, v4 = k_cache, v_cache  # the kernel's layout: one page is one DMA block
     inp = step_inputs(p, mparams, tokens, positions, page_table)
     hbm = {f"{n}_hbm": mparams[n] for n in ("ring_a", "ring_b", "vec")}

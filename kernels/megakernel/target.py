@@ -53,7 +53,7 @@ def pool_shape(plan: Any, pool_pages: int | None = None) -> tuple[int, ...]:
     """The KV pool the AOT step is compiled for: `pool_pages` pages, by default one null page
     plus every row's pages (each row at a full `pages_per_seq`)."""
     n_pages = pool_pages or plan.batch * plan.pages_per_seq + 1
-    return (plan.num_layers, n_pages, plan.page_size, plan.kv)  # the kernel's pool layout
+    return (plan.num_layers, n_pages, plan.page_size, plan.kv_row)  # the kernel's pool layout
 
 
 def compile_plan(plan: Any, target: str = "tpu7x", pool_pages: int | None = None) -> Any:

@@ -87,7 +87,7 @@ class MegakernelRunner(XlaRunner):
             budget["act_dtype"] = self.matmul_dtype
         return make_plan(
             self.cfg, batch, self.pool.page_size, pages, kv_dtype=self.kv_dtype,
-            weight_dtype=self.weight_dtype, **budget,
+            weight_dtype=self.weight_dtype, kv_row=self.pool.k.shape[-1], **budget,
         )  # fmt: skip
 
     def max_batch(self) -> tuple[int, str]:

@@ -1,4 +1,4 @@
-"""`megaserve bench decode`: our decode step beside transformers and llama.cpp, in one run."""
+"""`megaserve bench`: the benchmark subcommands; decode and prefill run beside their peers."""
 
 from __future__ import annotations
 
@@ -9,7 +9,35 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megaserve.worker_args import positive_int
+
 REPO = Path(__file__).resolve().parents[2]
+
+
+def positive_ints(text: str) -> tuple[int, ...]:
+    """argparse type for a comma-separated list of positive ints (exit 2 naming a bad one)."""
+    return tuple(positive_int(x) for x in text.split(","))
+
+
+def add_peer_arguments(p) -> None:
+    also = "also run transformers and llama.cpp from --ref-python if it exists"
+    p.add_argument("--peers", default="auto", choices=("auto", "none"), help=also)
+    p.add_argument("--ref-python", default=str(REPO / ".venv-ref" / "bin" / "python"))
+
+
+def _add_prefill(bsub) -> None:
+    pf = bsub.add_parser("prefill", help="prefill ms/prompt and GFLOP/s vs peers and a GEMM")
+    pf.add_argument("--checkpoint", default="smollm2")
+    pf.add_argument("--lengths", type=positive_ints, default="128,1024,4096,8192")
+    pf.add_argument("--batch", type=positive_ints, default="1,4", help="prompts per run")
+    pf.add_argument("--runs", type=positive_int, default=3, help="timed runs per row")
+    pf.add_argument("--warmup", type=positive_int, default=1, help="untimed runs first")
+    pf.add_argument("--chunk", type=positive_int, help="ours: tokens per call (the worker's)")
+    pf.add_argument("--max-context", type=positive_int, help="ours: page-table width, tokens")
+    pf.add_argument("--gemm-shape", type=positive_ints, default="4096,576,1536", help="M,K,N")
+    add_peer_arguments(pf)
+    pf.add_argument("--json-out", help="also write all rows to this JSON file")
+    pf.set_defaults(func=cmd_bench_prefill)
 
 
 def add_bench(sub) -> None:
@@ -23,15 +51,10 @@ def add_bench(sub) -> None:
     d.add_argument("--warmup", type=int, default=3)
     d.add_argument("--dtype", default="f32", choices=("f32", "bf16"))
     d.add_argument("--steps-per-call", type=int, default=1)
-    d.add_argument(
-        "--peers",
-        default="auto",
-        choices=("auto", "none"),
-        help="also run transformers and llama.cpp from --ref-python if it exists",
-    )
-    d.add_argument("--ref-python", default=str(REPO / ".venv-ref" / "bin" / "python"))
+    add_peer_arguments(d)
     d.add_argument("--json-out", help="also write all rows to this JSON file")
     d.set_defaults(func=cmd_bench_decode)
+    _add_prefill(bsub)
     m = bsub.add_parser("moe", help="MoE decode on a random Qwen3-MoE: served vs dense experts")
     m.add_argument("--batch", default="1,8,32")
     m.add_argument("--context", type=int, default=512)
@@ -113,10 +136,14 @@ def cmd_bench_startup(a) -> int:
     return 0
 
 
-def _peer_rows(a, gguf: Path, batches: list[int]) -> list[dict]:
+def _peer_rows(a, gguf: Path, mode: str, mode_args: list[str]) -> list[dict]:
+    """peers.py `mode` run from the reference env on the GGUF (and its F32 copy): its rows."""
     ref = Path(a.ref_python)
-    if a.peers == "none" or not ref.exists():
-        print(f"peers skipped (no {ref}; `make ref-env` builds it)", file=sys.stderr)
+    skip = "--peers none" if a.peers == "none" else None
+    skip = skip or (None if ref.exists() else f"no {ref}; `make ref-env` builds it")
+    skip = skip or (None if gguf.suffix == ".gguf" else f"{gguf} is not a GGUF file")
+    if skip:
+        print(f"peers skipped ({skip})", file=sys.stderr)
         return []
     f32 = REPO / ".cache" / "smollm2-f32.gguf"
     f32.parent.mkdir(exist_ok=True)
@@ -125,23 +152,7 @@ def _peer_rows(a, gguf: Path, batches: list[int]) -> list[dict]:
     subprocess.run(
         [str(ref), script, "make-f32", "--src", str(gguf), "--dst", str(f32)], check=False, env=env
     )
-    cmd = [
-        str(ref),
-        script,
-        "decode",
-        "--gguf",
-        str(gguf),
-        "--f32-gguf",
-        str(f32),
-        "--batch",
-        ",".join(map(str, batches)),
-        "--context",
-        str(a.context),
-        "--steps",
-        str(a.steps),
-        "--warmup",
-        str(a.warmup),
-    ]
+    cmd = [str(ref), script, mode, "--gguf", str(gguf), "--f32-gguf", str(f32), *mode_args]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     rows = []
     for line in out.stdout.splitlines():
@@ -176,7 +187,9 @@ def cmd_bench_decode(a: argparse.Namespace) -> int:
         for b in batches
     ]
     ours = {r["batch"]: r for r in rows}
-    for r in _peer_rows(a, resolve_checkpoint_path(a.checkpoint), batches):
+    peer_args = ["--batch", a.batch, "--context", str(a.context), "--steps", str(a.steps)]
+    peer_args += ["--warmup", str(a.warmup)]
+    for r in _peer_rows(a, resolve_checkpoint_path(a.checkpoint), "decode", peer_args):
         if "ms_per_step" in r and r["batch"] in ours:
             nbytes = ours[r["batch"]]["bytes_per_step"]
             # Quantized weights read fewer bytes than ours; only same-precision rows share a floor.
@@ -189,6 +202,12 @@ def cmd_bench_decode(a: argparse.Namespace) -> int:
     if a.json_out:
         Path(a.json_out).write_text(json.dumps({"bandwidth_Bps": bw, "rows": rows}, indent=1))
     return 0
+
+
+def cmd_bench_prefill(a: argparse.Namespace) -> int:
+    from megaserve_app.bench.prefill import run
+
+    return run(a, _peer_rows)
 
 
 def _print_table(rows: list[dict], bw: float) -> None:

@@ -1,9 +1,12 @@
-"""Decode-speed baselines for peer engines (HF transformers, llama.cpp) on a GGUF model.
+"""Decode and prefill baselines for peer engines (HF transformers, llama.cpp) on a GGUF model.
 
 Why this is long: it runs alone, as a script, in the Python 3.11 reference environment
 (torch, transformers, llama-cpp-python; megaserve is not installed there), so the GGUF
 conversion, both peers' measurement loops and the one-process-per-row orchestration share
 this file instead of importing each other.
+
+Prefill rows carry the raw seconds of each timed run (`times_s`), not a summary: the caller
+(`megaserve_app/bench/prefill.py`) summarizes them with the same function as its own runs.
 """
 
 from __future__ import annotations
@@ -138,7 +141,9 @@ def hf_load(spec: dict):
     transformers.utils.logging.disable_progress_bar()
     dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[spec["precision"]]
     path = Path(spec["gguf"])
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=dtype, attn_implementation="sdpa"
+    )
     proj = model.model.layers[0].self_attn.q_proj
     log(
         f"transformers q_proj: {type(proj).__name__} {proj.weight.dtype}, "
@@ -169,6 +174,41 @@ def hf_row(spec: dict) -> dict:
             tok, past = hf_step(model, tok, past)
             times.append(time.perf_counter() - t0)
     return summarize(spec, times, HF_ENGINE)
+
+
+def timed_runs(spec: dict, run) -> list[float]:
+    """Seconds of each of `runs` calls of run(), after `warmup` untimed calls."""
+    for _ in range(spec["warmup"]):
+        run()
+    times = []
+    for _ in range(spec["runs"]):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def prefill_result(spec: dict, times_s: list[float], engine: str) -> dict:
+    return {
+        "engine": engine,
+        "precision": spec["precision"],
+        "batch": spec["batch"],
+        "context": spec["context"],
+        "times_s": times_s,
+    }
+
+
+def hf_prefill_row(spec: dict) -> dict:
+    """Time whole-prompt forwards of `batch` random prompts (a fresh KV cache each run, the
+    last token's logits only, as a serving prefill)."""
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    model = hf_load(spec)
+    ids = torch.from_numpy(random_ids(spec["batch"], spec["context"], model.config.vocab_size))
+    with torch.inference_mode():
+        times = timed_runs(spec, lambda: hf_step(model, ids, None))
+    return prefill_result(spec, times, HF_ENGINE)
 
 
 def n_ctx_per_seq(spec: dict) -> int:
@@ -261,6 +301,13 @@ class LowLevel:
         self.vocab = llama_cpp.llama_vocab_n_tokens(vocab)
         self.batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
 
+    def clear(self) -> None:
+        """Forget every sequence's KV (bindings older than the memory API: kv_self_clear)."""
+        if hasattr(self.lib, "llama_memory_clear"):
+            self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
+        else:
+            self.lib.llama_kv_self_clear(self.ctx)
+
     def decode(self, entries: list[tuple[int, int, int, bool]]) -> None:
         """entries: (token, pos, seq_id, want_logits); len(entries) <= n_batch."""
         b = self.batch
@@ -278,11 +325,32 @@ class LowLevel:
         self.lib.llama_model_free(self.model)
 
 
-def llama_prefill(ll: LowLevel, ids) -> None:
-    """Each sequence's prompt in n_batch chunks; no logits needed."""
-    entries = [(int(t), p, s, False) for s, row in enumerate(ids) for p, t in enumerate(row)]
+def llama_prefill(ll: LowLevel, ids, last_logits: bool = False) -> None:
+    """Each sequence's prompt in n_batch chunks; logits only for each prompt's last token
+    when `last_logits` (what a serving prefill samples from), else none."""
+    last = len(ids[0]) - 1
+    entries = [
+        (int(t), p, s, last_logits and p == last)
+        for s, row in enumerate(ids)
+        for p, t in enumerate(row)
+    ]
     for i in range(0, len(entries), ll.n_batch):
         ll.decode(entries[i : i + ll.n_batch])
+
+
+def llama_prefill_row(spec: dict) -> dict:
+    """Time prefills of `batch` random prompts as separate sequences (KV cleared each run)."""
+    ll = LowLevel(spec)
+    ids = random_ids(spec["batch"], spec["context"], ll.vocab)
+
+    def run():
+        ll.clear()
+        llama_prefill(ll, ids, last_logits=True)
+        ll.lib.llama_synchronize(ll.ctx)
+
+    times = timed_runs(spec, run)
+    ll.close()
+    return prefill_result(spec, times, LLAMA_ENGINE)
 
 
 def llama_batched_row(spec: dict) -> dict:
@@ -304,6 +372,8 @@ def llama_batched_row(spec: dict) -> dict:
 
 
 def measure(spec: dict) -> dict:
+    if spec.get("mode") == "prefill":
+        return hf_prefill_row(spec) if spec["engine"] == HF_ENGINE else llama_prefill_row(spec)
     if spec["engine"] == HF_ENGINE:
         return hf_row(spec)
     if spec["batch"] == 1:
@@ -316,6 +386,7 @@ def error_row(spec: dict, message: str) -> dict:
         "engine": spec["engine"],
         "precision": spec["precision"],
         "batch": spec["batch"],
+        "context": spec["context"],
         "error": message,
     }
 
@@ -349,14 +420,8 @@ def llama_models(args) -> list[tuple[str, str]]:
     return [(gguf_precision(p), p) for p in paths]
 
 
-def build_specs(args) -> list[dict]:
-    base = {
-        "context": args.context,
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "threads": args.threads,
-        "kv_unified": args.llama_kv == "unified",
-    }
+def engine_models(args) -> list[tuple[str, str, str]]:
+    """(engine, precision, GGUF path) of every peer the --engines list asks for."""
     models = []
     for engine in args.engines.split(","):
         if engine == "transformers":
@@ -365,9 +430,34 @@ def build_specs(args) -> list[dict]:
             models += [(LLAMA_ENGINE, p, path) for p, path in llama_models(args)]
         else:
             raise SystemExit(f"unknown engine {engine!r}")
+    return models
+
+
+def common_spec(args) -> dict:
+    return {
+        "warmup": args.warmup,
+        "threads": args.threads,
+        "kv_unified": args.llama_kv == "unified",
+    }
+
+
+def build_specs(args) -> list[dict]:
+    base = dict(common_spec(args), context=args.context, steps=args.steps)
     return [
         dict(base, engine=e, precision=p, gguf=path, batch=b)
-        for e, p, path in models
+        for e, p, path in engine_models(args)
+        for b in parse_ints(args.batch)
+    ]
+
+
+def build_prefill_specs(args) -> list[dict]:
+    """One row per engine, precision, prompt length and batch; `context` is the prompt length
+    and no decode steps follow it (steps 0 sizes llama.cpp's context to the prompt)."""
+    base = dict(common_spec(args), mode="prefill", runs=args.runs, steps=0)
+    return [
+        dict(base, engine=e, precision=p, gguf=path, batch=b, context=n)
+        for e, p, path in engine_models(args)
+        for n in parse_ints(args.lengths)
         for b in parse_ints(args.batch)
     ]
 
@@ -423,12 +513,28 @@ def spawn(spec: dict, timeout: float) -> dict:
     return error_row(spec, f"exit code {proc.returncode}: {last_error(tail)}")
 
 
-def run_decode(args) -> None:
-    for spec in build_specs(args):
+def llama_cpp_missing() -> bool:
+    """True when `import llama_cpp` fails here (it is only built with WITH_LLAMA_CPP=1)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError as exc:
+        log(f"llama.cpp rows skipped: {exc}")
+        return True
+    return False
+
+
+def run_specs(specs: list[dict], timeout: float) -> None:
+    """Each spec in its own child process, one JSON row each on stdout; llama.cpp rows say
+    "not installed" without a child when the bindings cannot be imported."""
+    missing = any(s["engine"] == LLAMA_ENGINE for s in specs) and llama_cpp_missing()
+    for spec in specs:
+        if missing and spec["engine"] == LLAMA_ENGINE:
+            emit(error_row(spec, "not installed"))
+            continue
         label = f"{spec['engine']} {spec['precision']} batch={spec['batch']}"
-        log(f"{label}: start")
+        log(f"{label} context={spec['context']}: start")
         t0 = time.perf_counter()
-        row = spawn(spec, args.timeout)
+        row = spawn(spec, timeout)
         log(f"{label}: done in {time.perf_counter() - t0:.1f}s")
         emit(row)
 
@@ -447,14 +553,10 @@ def add_make_parser(sub) -> None:
     p.add_argument("--dtype", choices=["f32", "f16"], default="f32")
 
 
-def add_decode_parser(sub) -> None:
-    p = sub.add_parser("decode", help="measure decode steps; one JSON row per line")
+def add_engine_arguments(p) -> None:
+    """The models, engines and threads every measuring mode takes."""
     p.add_argument("--gguf", required=True, help="quantized GGUF (llama.cpp; HF dequantizes)")
     p.add_argument("--f32-gguf", help="full-precision GGUF from make-f32 (llama.cpp)")
-    p.add_argument("--batch", default="1,8,32")
-    p.add_argument("--context", type=int, default=512)
-    p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--engines", default="transformers,llamacpp")
     p.add_argument("--hf-dtypes", default="f32", help="comma list of f32,bf16")
@@ -467,17 +569,38 @@ def add_decode_parser(sub) -> None:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per row")
 
 
+def add_decode_parser(sub) -> None:
+    p = sub.add_parser("decode", help="measure decode steps; one JSON row per line")
+    add_engine_arguments(p)
+    p.add_argument("--batch", default="1,8,32")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--warmup", type=int, default=2)
+
+
+def add_prefill_parser(sub) -> None:
+    p = sub.add_parser("prefill", help="time whole-prompt prefills; one JSON row per line")
+    add_engine_arguments(p)
+    p.add_argument("--lengths", default="128,1024,4096,8192", help="prompt tokens")
+    p.add_argument("--batch", default="1,4", help="prompts prefilled together")
+    p.add_argument("--runs", type=int, default=3, help="timed runs per row")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs before them")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     add_make_parser(sub)
     add_decode_parser(sub)
+    add_prefill_parser(sub)
     sub.add_parser("row", help=argparse.SUPPRESS).add_argument("spec")
     args = parser.parse_args(argv)
     if args.cmd == "make-f32":
         make_full_precision(args.src, args.dst, args.dtype)
     elif args.cmd == "decode":
-        run_decode(args)
+        run_specs(build_specs(args), args.timeout)
+    elif args.cmd == "prefill":
+        run_specs(build_prefill_specs(args), args.timeout)
     else:
         run_row(json.loads(args.spec))
 
