@@ -17,6 +17,11 @@ from kernels.programs import Program, ProgramCache, abstract
 LANES = 128
 
 
+def lane_padded(n: int) -> int:
+    """n rounded up to whole 128-lane tiles: the width a TPU's tiled layout gives a row."""
+    return -(-n // LANES) * LANES
+
+
 def pool_row(num_kv_heads: int, head_dim: int, platform: str) -> int:
     """Elements of one pool row (one token's K or V in one layer) on `platform`.
 
@@ -28,7 +33,7 @@ def pool_row(num_kv_heads: int, head_dim: int, platform: str) -> int:
     and bandwidth for nothing. The padding lanes hold zeros and are never read as K/V.
     """
     kv = num_kv_heads * head_dim
-    return -(-kv // LANES) * LANES if platform == "tpu" else kv
+    return lane_padded(kv) if platform == "tpu" else kv
 
 
 def _write_pages(kv: int, k, v, pages, k_new, v_new):
@@ -216,6 +221,6 @@ def check_row(num_kv_heads: int, head_dim: int, row: int | None) -> int:
     kv = num_kv_heads * head_dim
     if row is None:
         return pool_row(num_kv_heads, head_dim, jax.default_backend())
-    if row not in (kv, -(-kv // LANES) * LANES):
+    if row not in (kv, lane_padded(kv)):
         raise ValueError(f"pool {row=}: must be Hkv * D = {kv} or that padded to {LANES} lanes")
     return row

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels.kv_cache import lane_padded
 from kernels.paged_attention import paged_attention, write_kv
 from kernels.rope import RopeConfig, apply_rope, rope_cos_sin
 
@@ -219,7 +220,7 @@ def pad_rows(embed: np.ndarray) -> np.ndarray:
     re-laid the whole table out before every prefill and decode step (compile-worker); a
     lane-multiple width defaults to row-major. Rows are gathered whole and cut back to D.
     """
-    width = -(-embed.shape[1] // 128) * 128
+    width = lane_padded(embed.shape[1])
     if width == embed.shape[1]:
         return embed
     return np.pad(np.asarray(embed), ((0, 0), (0, width - embed.shape[1])))
@@ -267,7 +268,7 @@ def abstract_model(cfg: LlamaConfig, layers: list[dict], dtype: Any) -> dict[str
     """`finish_params`'s output as ShapeDtypeStructs around the given abstract layers."""
     d, v, f32 = cfg.hidden_size, cfg.vocab_size, jnp.float32
     return {
-        "embed": jax.ShapeDtypeStruct((v, -(-d // 128) * 128), dtype),  # `pad_rows`
+        "embed": jax.ShapeDtypeStruct((v, lane_padded(d)), dtype),  # `pad_rows`
         "lm_head": jax.ShapeDtypeStruct((d, v), dtype),
         "final_norm": jax.ShapeDtypeStruct((d,), f32),
         "inv_freq": jax.ShapeDtypeStruct((cfg.head_dim // 2,), f32),
