@@ -8,9 +8,17 @@ from megaserve.finish import FinishReason
 
 
 class Emission:
-    """Mixed into DecodeEngine (its scheduler, sinks and step count)."""
+    """Mixed into DecodeEngine (its scheduler, sinks and step count). `logprobs`: the new
+    tokens' entries; `prompt_logprobs`: the prompt's, with a request's first token."""
 
-    def _emit(self, seq: Sequence, new: list[int], first: bool = False, logprobs=None) -> None:
+    def _emit(
+        self,
+        seq: Sequence,
+        new: list[int],
+        first: bool = False,
+        logprobs=None,
+        prompt_logprobs=None,
+    ) -> None:
         seq.output.extend(new)
         reason = None
         if new[-1] in seq.stop_ids:
@@ -18,9 +26,9 @@ class Emission:
         elif len(seq.output) >= seq.max_tokens:
             reason = FinishReason.LENGTH
         if reason:
-            self._finish(seq, reason, new, first, logprobs)
+            self._finish(seq, reason, new, first, logprobs, prompt_logprobs)
         else:
-            self._send(seq, new, None, first, logprobs)
+            self._send(seq, new, None, first, logprobs, prompt_logprobs)
 
     def _finish(
         self,
@@ -29,9 +37,10 @@ class Emission:
         new: list[int],
         first: bool = False,
         logprobs=None,
+        prompt_logprobs=None,
     ) -> None:
         self.sched.finish(seq, reason)
-        self._send(seq, new, reason, first, logprobs)
+        self._send(seq, new, reason, first, logprobs, prompt_logprobs)
         self._forget(seq.request_id)
 
     def _send(
@@ -41,6 +50,7 @@ class Emission:
         reason: FinishReason | None,
         first: bool,
         logprobs=None,
+        prompt_logprobs=None,
     ) -> None:
         if first:
             self.cached_prompt_tokens += seq.num_cached_tokens
@@ -56,6 +66,7 @@ class Emission:
                 len(seq.prompt) if first else 0,
                 seq.num_cached_tokens if first else 0,
                 logprobs,
+                prompt_logprobs=prompt_logprobs,
             )
         )
 

@@ -11,11 +11,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import structlog
 
 from decode_service.emission import Emission
 from decode_service.events import TokenEvent, top_logprobs
+from decode_service.prefill_step import PrefillStep, PromptScoring
 from decode_service.programs import engine_programs, fit_running, step_config
 from decode_service.reservations import Reservation, Reservations
 from decode_service.scheduler import Scheduler, SchedulerConfig
@@ -55,7 +55,7 @@ class EngineConfig:
     kernel_matmul_dtype: Any = None
 
 
-class DecodeEngine(Emission, StepFailures):
+class DecodeEngine(Emission, StepFailures, PrefillStep):
     """Owns the pool, allocator, scheduler, reservations and runner; the public methods are
     safe from any thread (the engine thread owns all state below them)."""
 
@@ -94,6 +94,7 @@ class DecodeEngine(Emission, StepFailures):
         self._lock = threading.Lock()
         self._live: dict[str, Sequence] = {}
         self._sinks: dict[str, Callable[[TokenEvent], None]] = {}
+        self._scoring: dict[str, PromptScoring] = {}  # requests asking prompt log-probabilities
         self._commands: queue.Queue = queue.Queue()
         self.prefill_tokens = 0  # prompt tokens computed by this worker's own prefill
         self.cached_prompt_tokens = 0  # prompt tokens served from the prefix cache
@@ -133,15 +134,21 @@ class DecodeEngine(Emission, StepFailures):
             )
 
     def submit(
-        self, seq: Sequence, sink: Callable[[TokenEvent], None], deadline: float | None = None
+        self,
+        seq: Sequence,
+        sink: Callable[[TokenEvent], None],
+        deadline: float | None = None,
+        prompt_logprobs: int | None = None,
     ) -> None:
         """Queues seq; sink(event) is called from the engine thread for each step's tokens.
 
         A request still queued at `deadline` (on `self.clock`) is dropped: its sink gets an
-        ABORT event. Raises RequestError (DuplicateRequest for a live id) or NoCapacity (queue
-        full)."""
+        ABORT event. `prompt_logprobs` (top-n, 0..MAX_LOGPROBS): its first event carries each
+        prompt token's log-probability. Raises RequestError (DuplicateRequest for a live id)
+        or NoCapacity (queue full)."""
         self.validate(seq.prompt, seq.max_tokens)
         attaching = seq.request_id in self.reservations  # its pages are held: not refused now
+        self._check_scoring(seq.request_id, attaching, prompt_logprobs)
         with self._lock:
             if seq.request_id in self._live:
                 raise DuplicateRequest(f"request_id {seq.request_id!r} is already running")
@@ -151,6 +158,8 @@ class DecodeEngine(Emission, StepFailures):
             self._sinks[seq.request_id] = sink
             if deadline is not None:
                 self._deadlines[seq.request_id] = deadline
+            if prompt_logprobs is not None:
+                self._scoring[seq.request_id] = PromptScoring(prompt_logprobs)
             self.requests += 1
         if attaching:
             try:
@@ -197,11 +206,15 @@ class DecodeEngine(Emission, StepFailures):
         """Frees a reservation (e.g. after a failed transfer); False if unknown."""
         return self._call(self.reservations.drop, request_id)
 
-    def commit_import(
-        self, request_id: str, first_token: int, k: np.ndarray, v: np.ndarray
-    ) -> None:
-        """Writes complete imported pages into the pool and readies the request."""
-        self._call(self.reservations.commit, request_id, first_token, k, v)
+    def write_import(self, res: Reservation, blocks: list) -> Future:
+        """Writes blocks of imported pages (KVImport.take_ready) into `res`'s pages ahead of
+        its commit, on the engine thread; returns at once (a Future of whether it wrote)."""
+        return self._submit(self.reservations.write, res, blocks)
+
+    def commit_import(self, res: Reservation, first_token: int, blocks: list) -> None:
+        """Writes the last imported pages (KVImport.take_ready) and readies the request;
+        ReservationGone when `res` is no longer open."""
+        self._call(self.reservations.commit, res, first_token, blocks)
 
     @property
     def expired_reservations(self) -> int:
@@ -228,18 +241,23 @@ class DecodeEngine(Emission, StepFailures):
 
     def _call(self, fn, *args):
         """Runs fn on the engine thread (the allocator is single-threaded) and waits."""
+        return self._submit(fn, *args).result(timeout=30)
+
+    def _submit(self, fn, *args) -> Future:
+        """Queues fn for the engine thread (commands run in order); returns its Future."""
         fut: Future = Future()
         self._commands.put((fut, fn, args))
         self._wake.set()
         if self._thread is None:  # not started (unit tests drive run_once themselves)
             self._run_commands()
-        return fut.result(timeout=30)
+        return fut
 
     def _forget(self, request_id: str) -> None:
         with self._lock:
             self._live.pop(request_id, None)
             self._sinks.pop(request_id, None)
             self._deadlines.pop(request_id, None)
+            self._scoring.pop(request_id, None)
 
     # -- engine thread -----------------------------------------------------------------
     def _run_commands(self) -> None:
@@ -333,16 +351,6 @@ class DecodeEngine(Emission, StepFailures):
         return SamplingArrays.build(
             [s.sampling for s in seqs], [s.penalty_split() for s in seqs], self.model.cfg.vocab_size
         )
-
-    def _run_prefill(self, seq: Sequence, chunk: list[int], start: int) -> None:
-        self.prefill_tokens += len(chunk)
-        batch = TokenBatch.from_rows([(chunk, start, seq.pages)])
-        nxt, logits = self.runner.prefill(batch, self._rows([seq]))
-        if self.sched.prefill_done(seq, len(chunk)):
-            first = not seq.output
-            tok = int(nxt[0])
-            lps = [top_logprobs(logits[0], tok, seq.logprobs)] if seq.logprobs else None
-            self._emit(seq, [tok], first=first, logprobs=lps)
 
     def _run_decode(self, seqs: list[Sequence]) -> None:
         batch = TokenBatch.from_rows([([s.tokens[-1]], len(s.tokens) - 1, s.pages) for s in seqs])

@@ -24,6 +24,8 @@ class TokenEvent:
     cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None  # when the request asked for them
     error: str = ""  # with FinishReason.ERROR: what failed, for the INTERNAL status message
+    # On the first event of a request that asked: prompt tokens 1.. given the tokens before.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 def top_logprobs(logits: np.ndarray, token: int, n: int) -> TokenLogprobs:

@@ -10,15 +10,18 @@ import structlog
 
 from decode_service.engine import DecodeEngine
 from megaserve.errors import RequestError, ReservationGone
+from megaserve.kv import frames
 from megaserve.kv.staging import KVImport
 from megaserve.kv.wire import PageGeometry, TransferError
-from megaserve.rpc import kv_transfer_pb2, kv_transfer_pb2_grpc
+from megaserve.rpc import kv_transfer_pb2
 from megaserve.status import Reason, abort
 
 log = structlog.get_logger("megaserve.kv")
 
 
-class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
+class KVTransferServicer:
+    """KVTransfer.Push; requests arrive as frames.Frame (see `add_to_server`)."""
+
     def __init__(self, engine: DecodeEngine, metrics=None):
         self.engine = engine
         self.metrics = metrics
@@ -31,8 +34,11 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         imp: KVImport | None = None
         trailer = None
         t0 = time.perf_counter()
+        staging = None  # the previous chunk's validation and copy, run off the loop
+        writes: list = []  # Futures of blocks written into the reservation ahead of commit
         try:
-            async for msg in request_iterator:
+            async for frame in request_iterator:
+                msg = frame.msg
                 kind = msg.WhichOneof("kind")
                 if imp is None:
                     if kind != "header":
@@ -55,12 +61,18 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
                 if kind == "trailer":
                     trailer = msg.trailer
                 elif kind == "chunk":
-                    if msg.chunk.HasField("pull"):  # a blocking device pull: off the loop
-                        await asyncio.to_thread(imp.add, msg.chunk)
-                    else:
-                        imp.add(msg.chunk)
+                    # One chunk stages (checksum, copy; or a blocking device pull) in a
+                    # thread while the loop receives the next; one at a time, in order.
+                    if staging is not None:
+                        await staging
+                    staging = asyncio.ensure_future(
+                        asyncio.to_thread(self._stage, imp, res, msg.chunk, frame.data, writes)
+                    )
+                    staging.add_done_callback(_retrieved)
                 else:
                     raise TransferError("a second header in one push")
+            if staging is not None:
+                await staging
             if imp is None:
                 raise TransferError("empty push: no header")
             if not imp.complete or trailer is None:
@@ -73,8 +85,10 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
                     f"stream ended with {imp.missing} (layer, page) cells missing"
                     f"{'' if trailer else ' and no trailer'}; reservation {rid!r} freed",
                 )
+            for w in writes:  # in order; each True unless the reservation went meanwhile
+                await asyncio.wrap_future(w)
             await asyncio.to_thread(
-                self.engine.commit_import, rid, trailer.first_token, imp.k, imp.v
+                self.engine.commit_import, res, trailer.first_token, imp.take_ready()
             )
         except asyncio.CancelledError:
             # The sender vanished mid-transfer (killed, disconnected): nothing partial is
@@ -107,3 +121,22 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
             self.metrics.kv_bytes.inc(imp.bytes)
             self.metrics.kv_seconds.observe(time.perf_counter() - t0)
         return kv_transfer_pb2.KVPushResponse(bytes=imp.bytes, chunks=imp.chunks)
+
+    def _stage(self, imp: KVImport, res, chunk, data, writes: list) -> None:
+        """Stages one chunk (a worker thread) and queues the blocks it completed for the
+        engine thread to write: the pool fills while later chunks are still on the way."""
+        imp.add(chunk, data)
+        ready = imp.take_ready()
+        if ready:
+            writes.append(self.engine.write_import(res, ready))
+
+
+def _retrieved(fut: asyncio.Future) -> None:
+    """Marks a staging failure seen: the push reports the first error it awaits."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+def add_to_server(servicer: KVTransferServicer, server) -> None:
+    """Serves KVTransfer.Push with chunk payloads read in place from the received bytes."""
+    frames.add_push_handler(servicer.Push, server)

@@ -23,9 +23,14 @@ def step_config(sc: SchedulerConfig, max_running: int, max_pages_per_seq: int) -
 
 
 def engine_programs(runner: Runner, pool: KVPool, max_pages_per_seq: int) -> list[Program]:
-    """Every program a decode engine can run: the runner's, and the KV page writes that
-    imported KV takes (any reservation size up to a whole sequence)."""
-    return runner.programs() + pool.page_programs(max_pages_per_seq, read=False, write=True)
+    """Every program a decode engine can run: the runner's, its prompt log-probability
+    prefill (in the set: serving compiles nothing, and it is one program per row bucket), and
+    the KV page writes that imported KV takes (any reservation size up to a whole sequence)."""
+    return (
+        runner.programs()
+        + runner.logprob_programs()
+        + pool.page_programs(max_pages_per_seq, read=False, write=True)
+    )
 
 
 def fit_running(runner: Runner, sc: SchedulerConfig) -> SchedulerConfig:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import jax
 import numpy as np
 
 from decode_service.sequence import Sequence
@@ -85,12 +87,27 @@ class Reservations:
             self.on_abort(res.waiter)
         return True
 
-    def commit(self, request_id: str, first_token: int, k: np.ndarray, v: np.ndarray) -> None:
-        """Writes the complete imported pages into the pool; the request may then start."""
-        res = self.open.get(request_id)
-        if res is None:
-            raise ReservationGone(f"reservation {request_id!r} expired before its KV committed")
-        self.pool.write_pages(np.asarray(res.pages[res.cached_pages :], np.int32), k, v)
+    def write(self, res: Reservation, blocks: list[tuple[int, Any, Any]]) -> bool:
+        """Writes imported pages into `res`'s pages before its commit (nothing reads them
+        until then). False, writing nothing, when res is no longer open (expired, dropped,
+        replaced under the same id: its pages may be someone else's now) or committed."""
+        if self.open.get(res.request_id) is not res or res.first_token is not None:
+            return False
+        pages = np.asarray(res.pages[res.cached_pages :], np.int32)
+        for off, k, v in blocks:
+            self.pool.write_pages(pages[off : off + k.shape[1]], k, v)
+        return True
+
+    def commit(self, res: Reservation, first_token: int, blocks: list) -> None:
+        """Writes the last imported pages into the pool; the request may then start.
+
+        `blocks`: (offset, K, V) with K/V [L, n, page_size, Hkv, D] for the reservation's
+        pages cached_pages + offset, ...; the others were written by `write` before."""
+        if self.open.get(res.request_id) is not res:
+            raise ReservationGone(f"reservation {res.request_id!r} expired before its KV committed")
+        self.write(res, blocks)
+        # Committed means in the pool: a failed write fails this push, not the next step.
+        jax.block_until_ready((self.pool.k, self.pool.v))
         res.first_token = int(first_token)
         # The KV is in; a Generate call must now attach within the attach lease, or the pages
         # go back (a router that vanished between hand-off and Generate leaks nothing).

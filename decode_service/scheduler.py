@@ -1,4 +1,5 @@
-"""Continuous batching: FCFS admission, chunked prefill interleaved with decode, preemption."""
+"""Continuous batching: FCFS admission, chunked prefill interleaved with decode, preemption,
+and in-flight prefix sharing between prompts admitted together."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from decode_service.sequence import SeqState, Sequence
 from megaserve.errors import NoCapacity
 from megaserve.finish import FinishReason
 from megaserve.kv.allocator import PageAllocator
-from megaserve.kv.block_hash import block_hashes
 from megaserve.kv.pages import claim_pages
 
 
@@ -38,6 +38,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.ready: deque[Sequence] = deque()  # KV imported from a prefill worker
         self.preemptions = 0
+        self.shared_inflight_blocks = 0  # blocks taken from prompts prefilled just before
 
     @property
     def page_size(self) -> int:
@@ -111,6 +112,7 @@ class Scheduler:
         prefill, chunk, start = None, [], 0
         if self.prefilling:
             prefill = self.prefilling[0]
+            self.share_computed(prefill)
             start = prefill.num_computed
             chunk = prefill.tokens[start : start + self.cfg.prefill_chunk]
         decode = []
@@ -131,12 +133,43 @@ class Scheduler:
         self.running.append(seq)
         return True
 
+    def share_computed(self, seq: Sequence) -> int:
+        """Takes the blocks of seq's prompt that another sequence computed since seq was
+        admitted (its prefix was in flight then), instead of computing them again.
+
+        Prompts are prefilled one at a time in admission order, so when seq's turn comes,
+        an earlier prompt sharing its prefix has registered every block of it. Only whole
+        leading blocks are taken, and never the last token's (its logits are needed).
+        Returns the number of blocks taken.
+        """
+        ps, done = self.page_size, seq.num_registered
+        if seq.num_computed != done * ps:  # mid-block: what follows is this sequence's own
+            return 0
+        n_full = (len(seq.prompt) + len(seq.output) - 1) // ps
+        if n_full <= done or self.alloc.by_hash.get(seq.block_hashes(done + 1, ps)[done]) is None:
+            return 0
+        hashes, i = seq.block_hashes(n_full, ps), done
+        while i < n_full:
+            page = self.alloc.by_hash.get(hashes[i])
+            if page is None or page == seq.pages[i]:
+                break
+            self.alloc.acquire([page])
+            self.alloc.release([seq.pages[i]])  # a fresh page with no content: back to free
+            seq.pages[i] = page
+            i += 1
+        taken = i - done
+        seq.num_computed, seq.num_registered = i * ps, i
+        if not seq.output:
+            seq.num_cached_tokens = seq.num_computed
+        self.shared_inflight_blocks += taken
+        return taken
+
     def register_full_pages(self, seq: Sequence) -> None:
         """Publishes newly completed pages to the prefix cache."""
         full = seq.num_computed // self.page_size
         if full <= seq.num_registered:
             return
-        hashes = block_hashes(seq.tokens[: full * self.page_size], self.page_size)
+        hashes = seq.block_hashes(full, self.page_size)
         for i in range(seq.num_registered, full):
             self.alloc.register(seq.pages[i], hashes[i])
         seq.num_registered = full

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from megaserve.finish import FinishReason
+from megaserve.kv.block_hash import GrowingHashes
 from megaserve.kv.pages import pages_for_tokens
 from megaserve.sampling_params import SamplingParams
 
@@ -36,6 +37,15 @@ class Sequence:
     arrival_step: int = 0
     logprobs: int = 0  # top-n log-probabilities to return per token (0 = none)
     resumed: int = 0  # trailing prompt tokens generated before a migration (output for penalties)
+    hashes: GrowingHashes | None = None  # block hashes of tokens, made on first use
+
+    def block_hashes(self, n_blocks: int, page_size: int) -> list[int]:
+        """Hashes of the first n_blocks full blocks of tokens (prefix-cache keys)."""
+        if self.hashes is None:
+            self.hashes = GrowingHashes(page_size)
+        if len(self.hashes.hashes) >= n_blocks:  # no tokens list built on the hot path
+            return self.hashes.hashes[:n_blocks]
+        return self.hashes.first(self.tokens, n_blocks)
 
     @property
     def tokens(self) -> list[int]:

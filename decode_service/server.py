@@ -8,15 +8,15 @@ import time
 import grpc
 import structlog
 
+from decode_service import kv_service
 from decode_service.engine import DecodeEngine
 from decode_service.events import TokenEvent
-from decode_service.kv_service import KVTransferServicer
 from decode_service.metrics import WorkerMetrics
 from decode_service.sequence import Sequence
 from megaserve.errors import NoCapacity, RequestError
 from megaserve.finish import FinishReason
 from megaserve.grpc_server import start_serving
-from megaserve.rpc import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, kv_transfer_pb2_grpc
+from megaserve.rpc import decode_pb2, decode_pb2_grpc, kv_transfer_pb2
 from megaserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from megaserve.security import TLSConfig, add_port
 from megaserve.status import Reason, abort, abort_for
@@ -50,6 +50,31 @@ def sequence_from_request(request: decode_pb2.GenerateRequest, eos_ids) -> Seque
     )
 
 
+def prompt_logprobs_of(request: decode_pb2.GenerateRequest) -> int | None:
+    """The top-n of the prompt log-probabilities a Generate call asks (None: not asked);
+    RequestError naming the bad field."""
+    n = request.prompt_top_n
+    if not 0 <= n <= MAX_LOGPROBS:
+        raise RequestError(f"prompt_top_n={n} must be in [0, {MAX_LOGPROBS}]")
+    if not request.prompt_logprobs:
+        if n:
+            raise RequestError(f"prompt_top_n={n} without prompt_logprobs")
+        return None
+    if request.resumed_tokens:
+        raise RequestError(
+            f"prompt_logprobs with resumed_tokens={request.resumed_tokens}: a resumed request's "
+            "prompt was scored before"
+        )
+    return n
+
+
+def _entries(lps) -> list[decode_pb2.TokenLogprobs]:
+    return [
+        decode_pb2.TokenLogprobs(token_id=t, logprob=lp, top_token_ids=ids, top_logprobs=vals)
+        for t, lp, ids, vals in (lps or ())
+    ]
+
+
 def response_of(e: TokenEvent) -> decode_pb2.GenerateResponse:
     return decode_pb2.GenerateResponse(
         token_ids=e.token_ids,
@@ -61,10 +86,8 @@ def response_of(e: TokenEvent) -> decode_pb2.GenerateResponse:
         prompt_tokens=e.prompt_tokens,
         cached_tokens=e.cached_tokens,
         step=e.step,
-        logprobs=[
-            decode_pb2.TokenLogprobs(token_id=t, logprob=lp, top_token_ids=ids, top_logprobs=vals)
-            for t, lp, ids, vals in (e.logprobs or ())
-        ],
+        logprobs=_entries(e.logprobs),
+        prompt_logprobs=_entries(e.prompt_logprobs),
     )
 
 
@@ -88,7 +111,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         try:
             seq = sequence_from_request(request, self.engine.model.eos_token_ids)
             self.engine.submit(
-                seq, lambda e: loop.call_soon_threadsafe(events.put_nowait, e), deadline
+                seq,
+                lambda e: loop.call_soon_threadsafe(events.put_nowait, e),
+                deadline,
+                prompt_logprobs_of(request),
             )
         except (RequestError, NoCapacity) as e:
             await abort_for(context, e)  # a full queue: RESOURCE_EXHAUSTED + retry-after-ms
@@ -176,13 +202,11 @@ async def create_server(
 
     With `tls` the port serves TLS, and mTLS (client certificates signed by tls.ca) when
     tls.ca is set: only the other tiers may reserve, push KV or generate."""
-    # KV chunks can be several MB; senders split by layer and page group below this.
+    # KV chunks are up to wire.MAX_CHUNK_BYTES (16 MiB); senders split pages below this.
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
     servicer = DecodeServicer(engine)
     decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
-    kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(
-        KVTransferServicer(engine, servicer.metrics), server
-    )
+    kv_service.add_to_server(kv_service.KVTransferServicer(engine, servicer.metrics), server)
     port = add_port(server, address, tls)
     health_servicer = await start_serving(server, (SERVICE, KV_SERVICE))
     return server, port, health_servicer, servicer

@@ -341,7 +341,7 @@ def forward(
     k_cache: jnp.ndarray,
     v_cache: jnp.ndarray,
     page_table: jnp.ndarray,
-    logits_index: jnp.ndarray,
+    logits_index: jnp.ndarray | None,
     mlp: Callable = None,
 ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
     """Runs new tokens of a batch of sequences through the model over a paged KV cache.
@@ -355,10 +355,11 @@ def forward(
       positions: i32[B, T] absolute positions of those tokens; -1 marks padding.
       k_cache, v_cache: [L, num_pages, page_size, Hkv * D] pools (donate them under jit).
       page_table: i32[B, P] pages of each sequence; pad with the null page 0.
-      logits_index: i32[B] which of the T positions to project to logits.
+      logits_index: i32[B] which of the T positions to project to logits; None: every
+        position (prompt log-probabilities), f32[B, T, V] logits.
       mlp: (cfg, layer_params, x) -> f32[B, T, D]; families with other MLPs (MoE) pass theirs.
     Returns:
-      (f32[B, V] logits, k_cache, v_cache).
+      (f32[B, V] logits (f32[B, T, V] for every position), k_cache, v_cache).
     """
     # The table's rows may be lane-padded (`pad_rows`): gathered whole, then cut to D.
     h = params["embed"][tokens][..., : cfg.hidden_size].astype(params["embed"].dtype)
@@ -368,7 +369,10 @@ def forward(
         h, k_cache, v_cache = _layer(
             cfg, lp, h, cos, sin, positions, page_table, k_cache, v_cache, li, mlp or dense_mlp
         )
-    last = jnp.take_along_axis(h, logits_index[:, None, None], axis=1)[:, 0]
+    if logits_index is None:
+        last = h
+    else:
+        last = jnp.take_along_axis(h, logits_index[:, None, None], axis=1)[:, 0]
     last = rms_norm(last, params["final_norm"], cfg.rms_norm_eps)
     logits = mm(last, params["lm_head"])
     return logits, k_cache, v_cache

@@ -1,10 +1,15 @@
-"""Paged attention: write new K/V through a page table, then attend causally (blockwise,
-beside the whole-table reference)."""
+"""Paged attention: write new K/V through a page table, then attend causally (blockwise in
+XLA, the Pallas ragged prefill kernel when lowered for TPU, beside the whole-table
+reference)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+
+from kernels.ragged_prefill import RaggedPrefillConfig, ragged_prefill_attention
 
 # Page 0 of every pool is the null page: padding tokens write there and page tables are padded
 # with it, so no padded slot can ever touch a live sequence's KV.
@@ -88,7 +93,39 @@ def paged_attention(
         return paged_attention_reference(
             q, k_cache, v_cache, layer, positions, page_table, scale, num_kv_heads
         )
-    page_size, hkv = k_cache.shape[2], num_kv_heads or k_cache.shape[-1] // d
+    hkv = num_kv_heads or k_cache.shape[-1] // d
+    xla = functools.partial(_blockwise, layer=layer, scale=scale, hkv=hkv)
+    block_q = next((n for n in (128, 64, 32, 16, 8) if t % n == 0), None)
+    # Shapes the kernel does not take (TPU pools are always lane-padded: `pool_row`).
+    if block_q is None or (d % 128 and 128 % d) or k_cache.shape[-1] % 128:
+        return xla(q, k_cache, v_cache, positions, page_table)
+    tpu = functools.partial(_ragged_from_rows, layer=layer, scale=scale, hkv=hkv, block_q=block_q)
+    # Chosen when the program is lowered: the Pallas kernel for TPU, XLA elsewhere.
+    return jax.lax.platform_dependent(
+        q, k_cache, v_cache, positions, page_table, tpu=tpu, default=xla
+    )
+
+
+def _ragged_from_rows(
+    q, k_cache, v_cache, positions, page_table, layer, scale, hkv, block_q, interpret=False
+):
+    """The padded-rows batch (row b: one sequence's new tokens at consecutive positions,
+    padding after them) as the ragged kernel's arguments: row b's queries start at b * T."""
+    b, t, hq, d = q.shape
+    q_len = (positions >= 0).sum(1).astype(jnp.int32)
+    kv_len = jnp.where(q_len > 0, positions[:, 0] + q_len, 0).astype(jnp.int32)
+    out = ragged_prefill_attention(
+        q.reshape(b * t, hq, d), k_cache, v_cache, layer,
+        jnp.arange(b, dtype=jnp.int32) * t, q_len, kv_len, page_table, scale, hkv,
+        RaggedPrefillConfig(block_q=block_q), interpret,
+    )  # fmt: skip
+    return out.reshape(b, t, hq, d)
+
+
+def _blockwise(q, k_cache, v_cache, positions, page_table, layer, scale, hkv):
+    """`paged_attention`'s XLA path: an online softmax over blocks of KEY_BLOCK keys."""
+    b, t, hq, d = q.shape
+    page_size = k_cache.shape[2]
     group = hq // hkv
     per_block = max(1, min(page_table.shape[1], KEY_BLOCK // page_size))
     blocks = -(-page_table.shape[1] // per_block)

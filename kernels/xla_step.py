@@ -1,5 +1,6 @@
-"""XLA whole-step device programs: a prefill chunk, and (multi-)step decode over a donated KV
-pool. The host side (padding, buckets, backend choice) is `megaserve.runner`."""
+"""XLA whole-step device programs: a prefill chunk (optionally scoring every position), and
+(multi-)step decode over a donated KV pool. The host side (padding, buckets, backend choice)
+is `megaserve.runner`."""
 
 from __future__ import annotations
 
@@ -35,6 +36,25 @@ def prefill_program(family, cfg, params, k, v, tokens, positions, page_table, lo
     logits, k, v = family.forward(cfg, params, tokens, positions, k, v, page_table, logits_index)
     pos = jnp.take_along_axis(positions, logits_index[:, None], axis=1)[:, 0] + 1
     return pick(logits, s, pos), logits, k, v
+
+
+def prefill_logprobs_program(
+    family, cfg, top_k, params, k, v, tokens, positions, page_table, logits_index, s, targets
+):
+    """`prefill_program` that also scores every position of the chunk (prompt log-probabilities):
+    the log-softmax of each position's logits, reduced on the device to what leaves it.
+
+    targets: i32[B, T] the token to score at each position (the one after it). Returns (i32[B]
+    next, f32[B, V] logits at logits_index, f32[B, T] the targets' log-probabilities, i32[B, T,
+    top_k] the most likely tokens at each position (most likely first, lower id first among
+    equals) and f32[B, T, top_k] theirs, k, v)."""
+    every, k, v = family.forward(cfg, params, tokens, positions, k, v, page_table, None)
+    logits = jnp.take_along_axis(every, logits_index[:, None, None], axis=1)[:, 0]
+    pos = jnp.take_along_axis(positions, logits_index[:, None], axis=1)[:, 0] + 1
+    lp = jax.nn.log_softmax(every, axis=-1)
+    target = jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0]
+    top, top_ids = jax.lax.top_k(lp, top_k)
+    return pick(logits, s, pos), logits, target, top_ids, top, k, v
 
 
 def decode_program(family, cfg, n_steps, want_logits, params, k, v, tokens, positions, pt, s):

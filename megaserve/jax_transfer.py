@@ -34,8 +34,9 @@ def offer(arrays: list[jax.Array]) -> tuple[str, int]:
     return s.address(), uuid
 
 
-def pull(address: str, uuid: int, shape: tuple[int, ...], dtype) -> jax.Array:
-    """Pulls one offered array from a peer into this process's default device."""
+def pull(address: str, uuid: int, shapes: list[tuple[int, ...]], dtype) -> list[jax.Array]:
+    """Pulls the arrays offered under uuid by a peer (one round trip for all of them) into
+    this process's default device."""
     with _lock:
         conn = _conns.get(address)
     if conn is None:
@@ -43,5 +44,4 @@ def pull(address: str, uuid: int, shape: tuple[int, ...], dtype) -> jax.Array:
         with _lock:
             _conns[address] = conn
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    (out,) = conn.pull(uuid, [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)])
-    return out
+    return conn.pull(uuid, [jax.ShapeDtypeStruct(s, dtype, sharding=sharding) for s in shapes])

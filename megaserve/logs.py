@@ -1,22 +1,101 @@
-"""structlog configured for JSON lines on stderr (request ids travel as bound fields)."""
+"""structlog configured for JSON lines on stderr (request ids travel as bound fields); with
+`background`, lines are rendered and written by a writer thread instead of the caller."""
 
 from __future__ import annotations
 
+import atexit
+import datetime
 import logging
+import queue
 import sys
+import threading
+import time
 
 import structlog
 
+_UTC = datetime.UTC
+_STOP = object()
+_writer: _Writer | None = None  # configure(background=True)'s
 
-def configure(level: str = "info") -> None:
+
+def _iso(t: float) -> str:
+    """structlog's TimeStamper(fmt="iso") text for the UNIX time t."""
+    return datetime.datetime.fromtimestamp(t, tz=_UTC).isoformat().replace("+00:00", "Z")
+
+
+class _Writer:
+    """Renders queued event dicts to JSON lines on a daemon thread, writing each as it is
+    rendered: the write lets go of the GIL, so the event loop never waits on a long batch."""
+
+    def __init__(self, stream):
+        self.stream, self.q = stream, queue.SimpleQueue()
+        self.render = structlog.processors.JSONRenderer()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="log-writer")
+        self.thread.start()
+        atexit.register(self.close)
+
+    def enqueue(self, _logger, _method, event_dict) -> str:
+        """The last processor: the caller pays for a dict and a put, not JSON and a write.
+        The timestamp is taken now and formatted later."""
+        event_dict["timestamp"] = time.time()
+        self.q.put(event_dict)
+        return ""  # to a ReturnLogger: no output of its own
+
+    def _line(self, ev: dict) -> str:
+        ev["timestamp"] = _iso(ev["timestamp"])
+        return self.render(None, "", ev)
+
+    def _run(self) -> None:
+        while (ev := self.q.get()) is not _STOP:
+            try:
+                self.stream.write(self._line(ev) + "\n")
+                if self.q.empty():
+                    self.stream.flush()
+            except (OSError, ValueError):  # stderr closed or gone: nothing to tell
+                pass
+        try:
+            self.stream.flush()
+        except (OSError, ValueError):
+            pass
+
+    def cpu_seconds(self) -> float:
+        """The writer thread's CPU time so far (what the callers no longer pay)."""
+        ident = self.thread.ident
+        if ident is None or not self.thread.is_alive():
+            return 0.0
+        return time.clock_gettime(time.pthread_getcpuclockid(ident))
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Writes what is queued (at exit: no line logged before it is lost)."""
+        if self.thread.is_alive():
+            self.q.put(_STOP)
+            self.thread.join(timeout)
+
+
+def writer_cpu_seconds() -> float:
+    """CPU time of the background log writer so far (0 without one)."""
+    return _writer.cpu_seconds() if _writer is not None else 0.0
+
+
+def configure(level: str = "info", background: bool = False) -> None:
+    global _writer
     logging.basicConfig(stream=sys.stderr, level=level.upper(), format="%(message)s")
+    head = [structlog.contextvars.merge_contextvars, structlog.processors.add_log_level]
+    if background:
+        if _writer is None:
+            _writer = _Writer(sys.stderr)
+        tail = [_writer.enqueue]
+    else:
+        tail = [structlog.processors.TimeStamper(fmt="iso"), structlog.processors.JSONRenderer()]
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso"),
-            structlog.processors.JSONRenderer(),
-        ],
+        processors=head + tail,
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=(
+            structlog.ReturnLoggerFactory()
+            if background
+            else structlog.PrintLoggerFactory(sys.stderr)
+        ),
+        # A module's `log` proxy binds a new logger on every call unless it caches one; once
+        # configured for the process, the background mode caches it.
+        cache_logger_on_first_use=background,
     )

@@ -35,6 +35,50 @@ def add_kernels(sub) -> None:
     c.add_argument("--json", action="store_true", help="print one JSON object")
     c.set_defaults(func=cmd_compile)
     add_compile_worker(ksub)
+    add_compile_prefill(ksub)
+
+
+def add_compile_prefill(ksub) -> None:
+    c = ksub.add_parser(
+        "compile-prefill",
+        help="compile the prefill program of one chunk at one context for a TPU target",
+    )
+    c.add_argument("--config", required=True, help="HF-style config.json of the model")
+    c.add_argument("--target", default="tpu7x", help="TPU target (tpu7x = TPU v7)")
+    c.add_argument("--chunk", type=int, default=512, help="new tokens per sequence per call")
+    c.add_argument("--context", type=int, default=8192, help="tokens per sequence")
+    c.add_argument("--batch", type=int, default=1, help="sequences per call")
+    c.add_argument("--page-size", type=int, default=16)
+    c.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
+    c.add_argument("--json", action="store_true", help="print one JSON object")
+    c.set_defaults(func=cmd_compile_prefill)
+
+
+def cmd_compile_prefill(a: argparse.Namespace) -> int:
+    """Exit 0 when it compiled, 1 with the compiler's message when not, 2 on a bad request."""
+    from megaserve_app.compile_prefill import compile_prefill
+
+    try:
+        res = compile_prefill(a.config, a.target, a.chunk, a.context, a.batch, a.page_size, a.dtype)
+    except ValueError as e:
+        print(f"megaserve kernels compile-prefill: error: {e}", file=sys.stderr)
+        return 2
+    if a.json:
+        print(json.dumps(res))
+    else:
+        vmem = res["vmem_bytes"]
+        print(
+            f"{res['config']} {res['target']} batch {res['batch']} chunk {res['chunk']} "
+            f"context {res['context']}: compiled={res['compiled']} attention={res['attention']} "
+            f"vmem={'-' if vmem is None else f'{vmem / 2**20:.1f} MiB'} "
+            f"temp={res['hbm_temp_bytes']} flops={res['flops_per_chunk'] / 1e12:.2f} T "
+            f"projected compute {res['projected_compute_ms']} ms vs bandwidth "
+            f"{res['projected_bandwidth_ms']} ms ({res['bound']}-bound)"
+        )
+    if not res["compiled"]:
+        print(res.get("error", "compilation failed"), file=sys.stderr)
+        return 1
+    return 0
 
 
 def add_compile_worker(ksub) -> None:

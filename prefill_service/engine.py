@@ -1,5 +1,5 @@
 """Prefill compute: prompts batched into shared chunked prefill programs over this worker's
-own paged pool, which doubles as its prefix cache."""
+own paged pool, which doubles as its prefix cache (shared with prompts still in flight)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,9 @@ class _Job:
     deadline: float | None = None  # on the engine's clock
     future: Future = field(default_factory=Future)
     pages: list[int] = field(default_factory=list)
-    hit: int = 0
+    hit: int = 0  # leading pages taken from the cache (at admission or from a prompt in flight)
+    hashes: list[int] = field(default_factory=list)  # block hashes of the prompt's full blocks
+    registered: int = 0  # leading pages published to the prefix cache
     done: int = 0  # tokens computed
     sent: int = 0  # pages handed to on_pages (indices < sent are done or skipped)
     started: float = 0.0
@@ -114,6 +116,7 @@ class PrefillEngine:
         self._active: list[_Job] = []
         self.batched_calls = 0
         self.rows_computed = 0
+        self.shared_inflight_pages = 0  # pages taken from prompts computed alongside
         self.expired = 0  # prompts dropped at their deadline (queued or between chunks)
         self.clock = time.monotonic  # deadlines are on this clock; tests inject a fake one
         self._thread = threading.Thread(target=self._loop, name="prefill-engine", daemon=True)
@@ -201,6 +204,7 @@ class PrefillEngine:
             self._fail(job, NoCapacity(f"prefill pool: {e}; retry"))
             return
         job.hit, job.done, job.sent = hit, hit * self.cfg.page_size, job.skip_pages
+        job.hashes, job.registered = block_hashes(job.prompt, self.cfg.page_size), hit
         job.started = time.perf_counter()
         self._active.append(job)
 
@@ -215,12 +219,13 @@ class PrefillEngine:
             "page_size": a.page_size,
             "batched_calls": self.batched_calls,
             "rows_computed": self.rows_computed,
+            "shared_inflight_pages": self.shared_inflight_pages,
         }
 
     def _step(self) -> None:
         ps, chunk = self.cfg.page_size, self.cfg.chunk
         self._active = [j for j in self._active if not self._gone(j)]
-        jobs = self._active
+        jobs = self._runnable(self._active)
         if not jobs:
             return
         rows = []
@@ -241,9 +246,10 @@ class PrefillEngine:
         nxt, _ = self.runner.prefill(batch, sampling)
         self.batched_calls += 1
         self.rows_computed += len(jobs)
-        still = []
+        ended: set[int] = set()  # ids of jobs finished or failed this step
         for job, (start, toks), tok in zip(jobs, rows, nxt.tolist()):
             job.done = start + len(toks)
+            self._register(job, job.done // ps)
             finished = job.done >= len(job.prompt)
             complete = len(job.pages) if finished else job.done // ps
             try:
@@ -255,17 +261,59 @@ class PrefillEngine:
                     job.sent = complete
             except Exception as e:
                 self._fail(job, e)
+                ended.add(id(job))
                 continue
             if finished:
                 self._finish(job, int(tok))
-            else:
-                still.append(job)
-        self._active = still
+                ended.add(id(job))
+        # Admission order is kept: the earliest of prompts sharing a prefix computes it.
+        self._active = [j for j in self._active if id(j) not in ended]
+
+    def _runnable(self, jobs: list[_Job]) -> list[_Job]:
+        """The jobs that compute this step: a prompt whose next block an earlier prompt in
+        this batch is still to compute waits for it (it takes that prompt's pages once they
+        are registered) instead of computing the same KV twice. The first never waits."""
+        ps, pending, run = self.cfg.page_size, set(), []
+        for job in jobs:
+            self._share_computed(job)
+            shareable = (len(job.prompt) - 1) // ps  # the last token's KV is always computed
+            nxt = job.done // ps
+            if job.done % ps == 0 and nxt < shareable and job.hashes[nxt] in pending:
+                continue
+            pending.update(job.hashes[nxt:shareable])
+            run.append(job)
+        return run
+
+    def _share_computed(self, job: _Job) -> None:
+        """Takes the next blocks of job's prompt that the cache now holds (computed by a
+        prompt in flight beside it since job was admitted)."""
+        ps = self.cfg.page_size
+        i, shareable = job.done // ps, (len(job.prompt) - 1) // ps
+        if job.done % ps or job.registered != i:
+            return
+        while i < shareable:
+            page = self.alloc.by_hash.get(job.hashes[i])
+            if page is None or page == job.pages[i]:
+                break
+            self.alloc.acquire([page])
+            self.alloc.release([job.pages[i]])  # fresh and never written: back to free
+            job.pages[i] = page
+            i += 1
+        taken = i - job.registered
+        if taken:
+            self.shared_inflight_pages += taken
+            job.hit += taken
+            job.done, job.registered = i * ps, i
+
+    def _register(self, job: _Job, full: int) -> None:
+        """Publishes job's pages that now hold complete blocks, so prompts beside it can
+        take them before it finishes."""
+        for i in range(job.registered, min(full, len(job.hashes))):
+            self.alloc.register(job.pages[i], job.hashes[i])
+        job.registered = max(job.registered, min(full, len(job.hashes)))
 
     def _finish(self, job: _Job, first_token: int) -> None:
-        full = block_hashes(job.prompt, self.cfg.page_size)
-        for i in range(job.hit, len(full)):
-            self.alloc.register(job.pages[i], full[i])
+        self._register(job, len(job.hashes))
         self.alloc.release(job.pages)  # pages stay cached (LRU) for later prompts
         job.pages = []
         with contextlib.suppress(InvalidStateError):  # the caller cancelled meanwhile

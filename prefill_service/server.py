@@ -12,9 +12,9 @@ import structlog
 
 from megaserve.errors import NoCapacity, RequestError
 from megaserve.grpc_server import start_serving
-from megaserve.kv import wire
+from megaserve.kv import frames, wire
 from megaserve.kv.pages import pages_for_tokens
-from megaserve.rpc import kv_transfer_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from megaserve.rpc import prefill_pb2, prefill_pb2_grpc
 from megaserve.sampling_params import SamplingParams
 from megaserve.security import TLSConfig, add_port, aio_channel
 from megaserve.status import Reason, abort, abort_for, reason_of
@@ -36,12 +36,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.transfer_failures = 0
         self.inflight = 0  # Prefill calls being computed, queued or still pushing their KV
 
-    def _stub(self, address: str):
+    def _push(self, address: str):
+        """KVTransfer.Push on the decode worker at `address` (pre-encoded chunks)."""
         if address not in self._channels:
             self._channels[address] = aio_channel(
                 address, self.tls, [("grpc.max_send_message_length", 64 << 20)]
             )
-        return kv_transfer_pb2_grpc.KVTransferStub(self._channels[address])
+        return frames.push_call(self._channels[address])
 
     def _validated(self, request) -> tuple[SamplingParams, list[int]]:
         """(sampling, prompt) of a Prefill call; RequestError naming the bad field."""
@@ -70,6 +71,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self.inflight -= 1
 
     async def _prefill(self, request, context):
+        """Validates, prefills and pushes the pages as chunks complete. Why this is long:
+        the encode/send overlap and every failure's status share one flow."""
         t_start = time.perf_counter()
         loop = asyncio.get_running_loop()
         try:
@@ -89,30 +92,42 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         def on_pages(first: int, k, v) -> None:  # prefill thread: hand chunks to the loop
             stamps.setdefault("first_chunk", time.perf_counter())
             if use_jax:
-                msgs = [wire.pull_message(first, k, v)]
-                sent["bytes"] += 2 * k.nbytes
+                item = wire.pull_message(first, k, v)
             else:
-                msgs = list(wire.chunk_messages(first, np.asarray(k), np.asarray(v)))
-                sent["bytes"] += sum(len(m.chunk.data) for m in msgs)
-            for msg in msgs:
-                loop.call_soon_threadsafe(outbox.put_nowait, msg)
+                k.copy_to_host_async()  # device -> host now; the writer encodes later
+                v.copy_to_host_async()
+                item = (first, k, v)
+            loop.call_soon_threadsafe(outbox.put_nowait, item)
+            sent["bytes"] += 2 * k.nbytes
             sent["pages"] += k.shape[1]
 
         try:  # a full queue is refused before a push opens (submit checks again, bound)
             self.engine.check_room()
         except NoCapacity as e:
             await abort_for(context, e)  # RESOURCE_EXHAUSTED + retry-after-ms
-        call = self._stub(request.decode_address).Push()
+        call = self._push(request.decode_address)()
 
         async def writer():
             # Explicit writes (not a request iterator): when the decode worker refuses early,
             # the call then reports its real status instead of a generic INTERNAL.
             try:
-                while (msg := await outbox.get()) is not _DONE:
-                    await call.write(msg)
+                while (item := await outbox.get()) is not _DONE:
+                    if not isinstance(item, tuple):  # a pull chunk, or the trailer
+                        await call.write(item)
+                        continue
+                    # Each chunk is encoded (one copy of its pages into the message) on the
+                    # loop while the one before is being written: measured faster than an
+                    # encoder thread (which contends for the GIL), two chunk buffers live.
+                    first, k, v = item
+                    await frames.write_ahead(
+                        call, wire.chunk_frames(first, np.asarray(k), np.asarray(v))
+                    )
                 await call.done_writing()
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
                 pass  # the status comes from awaiting the call
+            except Exception:
+                call.cancel()  # an encoding failure: `_prefill` reports it
+                raise
 
         # The header goes out before the compute starts: a decode worker that refuses it (no
         # reservation) can answer before chunks follow, so its status is the one we report.
@@ -142,6 +157,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         outbox.put_nowait(_DONE)
         try:
             await call
+        except asyncio.CancelledError:
+            if writing.done() and not writing.cancelled() and writing.exception():
+                raise writing.exception() from None  # the writer broke the call
+            raise
         except grpc.aio.AioRpcError as e:
             self.transfer_failures += 1
             self.metrics.failures.inc()

@@ -8,6 +8,7 @@ seeded sampling keys on (seed, position), so the continuation equals an uninterr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections.abc import AsyncIterator
@@ -19,8 +20,9 @@ import structlog
 from megaserve.errors import NoCapacity
 from megaserve.finish import FinishReason
 from megaserve.kv.pages import pages_for_tokens
-from megaserve.rpc import decode_pb2, prefill_pb2
+from megaserve.rpc import decode_pb2, decode_pb2_grpc, prefill_pb2
 from megaserve.status import retry_after_ms_of
+from router import costs
 from router.circuit import CircuitBreakers
 from router.config import RouterConfig
 from router.frontend import Job, RouterError
@@ -62,6 +64,7 @@ class Chunk:
     cached_tokens: int = 0  # set on the request's first chunk
     worker_id: str = ""
     logprobs: list = field(default_factory=list)  # decode_pb2.TokenLogprobs each
+    prompt_logprobs: list = field(default_factory=list)  # the same, on the first chunk
 
 
 class Dispatcher:
@@ -75,6 +78,7 @@ class Dispatcher:
         self.breakers = CircuitBreakers(cfg.circuit_breaker_failures, cfg.circuit_breaker_reset_s)
         self.clients = WorkerClients(channel_factory)
         self._background: set[asyncio.Task] = set()
+        self._generate_rpcs: dict[grpc.aio.Channel, object] = {}
         self.stats = {"migrations": 0, "retries": 0, "disaggregated": 0, "colocated": 0}
 
     async def drain(self) -> None:
@@ -139,34 +143,39 @@ class Dispatcher:
         failed: dict[str, bool] = {}  # worker id -> it was full (not failed) for this request
         attempts = migrations = tries = 0
         session = await self.state.get_session(job.session_id) if job.session_id else None
+        costs.lap("session")
         first = True
         while True:
             n_before = len(generated)
             prompt = job.prompt + generated
             decoders = await self._wait_for_decoders(job, failed, deadline)
             d = self._choose("decode", decoders, RouteRequest(prompt, session, job.max_tokens))
+            costs.lap("pick")
             tries += 1
+            attempt = self._attempt(job, d, prompt, generated, failed, deadline, tries)
             try:
-                async for c in self._attempt(job, d, prompt, generated, failed, deadline, tries):
-                    generated += c.token_ids
-                    if self.breakers.is_open(d.id):
-                        self.breakers.success(d.id)  # it answers: a probe need not wait for the end
-                    if first:
-                        first = False
-                    else:
-                        c.cached_tokens = 0
-                    if c.finish_reason:  # before the yield: the consumer stops at the last chunk
-                        self.breakers.success(d.id)
-                        # The worker now caches the output's full blocks too (a session's next
-                        # turn starts with them), before its heartbeat says so.
-                        d.expect_blocks(job.prompt + generated)
-                        if job.session_id:
-                            await self.state.put_session(
-                                job.session_id, Session(d.id, len(job.prompt) + len(generated))
-                            )
-                    yield c
-                    if c.finish_reason:
-                        return
+                # Closed here, not by the garbage collector's finalizer task, when we return.
+                async with contextlib.aclosing(attempt) as chunks:
+                    async for c in chunks:
+                        generated += c.token_ids
+                        if self.breakers.is_open(d.id):
+                            self.breakers.success(d.id)  # it answers: a probe need not wait
+                        if first:
+                            first = False
+                        else:
+                            c.cached_tokens = 0
+                        if c.finish_reason:  # before the yield: the consumer stops at the last
+                            self.breakers.success(d.id)
+                            # The worker now caches the output's full blocks too (a session's
+                            # next turn starts with them), before its heartbeat says so.
+                            d.expect_blocks(job.prompt + generated)
+                            if job.session_id:
+                                await self.state.put_session(
+                                    job.session_id, Session(d.id, len(job.prompt) + len(generated))
+                                )
+                        yield c
+                        if c.finish_reason:
+                            return
                 raise WorkerFailed(d, "stream ended without a finish reason")
             except (WorkerFailed, NoCapacity) as e:
                 busy = isinstance(e, NoCapacity)
@@ -220,8 +229,11 @@ class Dispatcher:
 
     def _use_prefill_tier(self, d: WorkerView, prompt: list[int], job: Job, failed) -> list:
         """Prefill workers to use for this prompt, or [] to prefill on the decode worker."""
+        if len(prompt) < self.cfg.disagg_min_uncached_tokens:
+            return []  # short of the threshold even uncached: no need to hash the prompt
         uncached = len(prompt) - d.cached_prefix_blocks(prompt) * d.info.page_size
-        if uncached < self.cfg.disagg_min_uncached_tokens or job.logprobs is not None:
+        lps = job.logprobs is not None or job.prompt_logprobs is not None
+        if uncached < self.cfg.disagg_min_uncached_tokens or lps:
             return []  # (the hand-off carries the first token, not its log-probabilities)
         pool = [
             w
@@ -243,10 +255,11 @@ class Dispatcher:
         # worker-side leftovers, can never touch the next try's request.
         rid = f"{job.request_id}#{try_no}.{len(generated)}"
         remaining = job.max_tokens - len(generated)
-        dec = self.clients.decode(d.address)
+        generate = self._generate_rpc(d.address)
         stopping = decode_pb2.StoppingParams(
             max_tokens=remaining, stop_token_ids=job.stop_token_ids, ignore_eos=job.ignore_eos
         )
+        score = job.prompt_logprobs is not None and not generated
         req = decode_pb2.GenerateRequest(
             request_id=rid,
             prompt_token_ids=prompt,
@@ -256,6 +269,9 @@ class Dispatcher:
             # The decode tier's 0 means none: ask for one alternative when only the token's own
             # log-probability is wanted (the router drops it).
             logprobs=0 if job.logprobs is None else max(job.logprobs, 1),
+            # Asked until a try answers: a resumed prompt was scored before.
+            prompt_logprobs=score,
+            prompt_top_n=job.prompt_logprobs if score else 0,
         )
         prefillers = self._use_prefill_tier(d, prompt, job, failed)
         # Pages this request adds: its prefix hits are shared with whoever cached them.
@@ -263,6 +279,7 @@ class Dispatcher:
         pages = pages_for_tokens(len(prompt) + remaining, d.info.page_size) - cached
         # Later requests with this prefix count it as there from now on (before any heartbeat).
         d.expect_blocks(prompt)
+        costs.lap("dispatch")
         log.info(
             "placed",
             request_id=rid,
@@ -271,10 +288,11 @@ class Dispatcher:
             prompt_tokens=len(prompt),
             disaggregated=bool(prefillers),
         )
+        costs.lap("log")
         d.inflight += 1
         d.inflight_pages += pages
         call = None
-        reserved = answered = False
+        reserved = answered = ended = False
         try:
             if prefillers:
                 reserved = True  # from here a reservation may exist on d until Generate attaches
@@ -283,16 +301,20 @@ class Dispatcher:
                 self.stats["disaggregated"] += 1
             else:
                 self.stats["colocated"] += 1
-            call = dec.Generate(req, timeout=self._timeout(deadline))
+            call = generate(req, timeout=self._timeout(deadline))
             try:
-                async for r in call:
+                # read(), not `async for`: no response iterator left for the finalizer to close.
+                while (r := await call.read()) is not grpc.aio.EOF:
                     answered = True
+                    reason = FinishReason.from_decode_proto(r.finish_reason)
+                    ended = reason is not None
                     yield Chunk(
                         list(r.token_ids),
-                        FinishReason.from_decode_proto(r.finish_reason),
+                        reason,
                         r.cached_tokens,
                         d.id,
                         list(r.logprobs),
+                        list(r.prompt_logprobs),
                     )
             except grpc.aio.AioRpcError as e:
                 raise classify(d, e, "decode stream") from e
@@ -302,12 +324,23 @@ class Dispatcher:
             self.breakers.abandon(d.id)
             d.inflight -= 1
             d.inflight_pages -= pages
-            if call is not None and not call.done():
-                call.cancel()  # the client left or a stop string matched: free the pages now
+            if call is not None and not call.done() and not ended:
+                # The client left or a stop string matched: free the pages now. (A stream that
+                # sent its finish reason is over; only its status is still on the way.)
+                call.cancel()
             if reserved and not answered:
                 # Cancelled (or failed) between Reserve and the first token: the decode worker
                 # may hold the reservation, KV included. Free it now, even while cancelled.
                 self._spawn(self.clients.release(d.address, rid))
+
+    def _generate_rpc(self, address: str):
+        """The worker's Generate callable, made once per channel (a stub per request would
+        build a callable for every Decode method, every time)."""
+        ch = self.clients.channel(address)
+        rpc = self._generate_rpcs.get(ch)
+        if rpc is None:
+            rpc = self._generate_rpcs[ch] = decode_pb2_grpc.DecodeStub(ch).Generate
+        return rpc
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)

@@ -6,6 +6,7 @@ offending field and value; nothing here touches a worker.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ MAX_STOP_TOKEN_IDS = 64
 # CHARS_PER_TOKEN_MAX characters per context token, or MAX_PROMPT_CHARS if no context is known.
 MAX_PROMPT_CHARS = 4_000_000
 CHARS_PER_TOKEN_MAX = 32
+_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 
 class RouterError(Exception):
@@ -54,6 +56,7 @@ class Job:
     ignore_eos: bool
     session_id: str
     logprobs: int | None = None  # None: not asked; else alternatives per token (0: none)
+    prompt_logprobs: int | None = None  # the same for prompt tokens (LogprobsParams.prompt)
 
 
 def resolve_model(name: str, models: dict[str, TokenizerInfo]) -> TokenizerInfo:
@@ -102,7 +105,9 @@ def prompt_ids(req, model: TokenizerInfo, max_context: int | None = None) -> lis
             raise invalid(f"chat template refused the messages: {e}") from e
     else:
         ids = list(req.prompt_token_ids.ids)
-        bad = [(i, t) for i, t in enumerate(ids) if not 0 <= t < model.vocab_size]
+        bad = None
+        if ids and (min(ids) < 0 or max(ids) >= model.vocab_size):  # (C speed: the usual case)
+            bad = [(i, t) for i, t in enumerate(ids) if not 0 <= t < model.vocab_size]
         if bad:
             i, t = bad[0]
             raise invalid(
@@ -123,7 +128,8 @@ def sampling(p: pb.SamplingParams) -> decode_pb2.SamplingParams:
         params = SamplingParams.from_proto(p, seed=seed, prefix="sampling.")
     except RequestError as e:
         raise invalid(str(e)) from None
-    return params.to_proto(decode_pb2.SamplingParams)
+    # As params.to_proto, without dataclasses.asdict's deep copy (on every request).
+    return decode_pb2.SamplingParams(**{f: getattr(params, f) for f in _SAMPLING_FIELDS})
 
 
 def parse_generate(
@@ -173,6 +179,7 @@ def parse_generate(
         st.ignore_eos,
         req.session_id,
         logprobs_asked(req.logprobs),
+        prompt_logprobs_asked(req.logprobs, len(ids)),
     )
 
 
@@ -181,3 +188,17 @@ def logprobs_asked(lp: pb.LogprobsParams) -> int | None:
     if not 0 <= lp.top_n <= MAX_LOGPROBS:
         raise invalid(f"logprobs.top_n={lp.top_n} must be in [0, {MAX_LOGPROBS}]")
     return lp.top_n if lp.enabled or lp.top_n else None
+
+
+def prompt_logprobs_asked(lp: pb.LogprobsParams, prompt_tokens: int) -> int | None:
+    """None when the request wants no prompt log-probabilities, else its prompt_top_n."""
+    if not 0 <= lp.prompt_top_n <= MAX_LOGPROBS:
+        raise invalid(f"logprobs.prompt_top_n={lp.prompt_top_n} must be in [0, {MAX_LOGPROBS}]")
+    if not (lp.prompt or lp.prompt_top_n):
+        return None
+    if prompt_tokens < 2:  # the first token has no context: nothing would be scored
+        raise invalid(
+            f"logprobs.prompt scores the prompt tokens after the first; the prompt has "
+            f"{prompt_tokens} token"
+        )
+    return lp.prompt_top_n

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import signal
 
 import structlog
 
@@ -96,6 +98,14 @@ async def serve(a) -> None:
         interceptors,
         channel_factory(tls, WORKER_CHANNEL_OPTIONS) if tls else None,  # mTLS to the workers
     )
+    # What startup made (tokenizers, imported modules: ~150k objects) is never garbage; a full
+    # collection that scanned it took 42 ms, a stall for every request in flight.
+    gc.collect()
+    gc.freeze()
+    # SIGUSR1: one log line of the CPU per request by component since the last such line.
+    asyncio.get_running_loop().add_signal_handler(
+        signal.SIGUSR1, lambda: log.info("request costs", **servicer.costs.summary())
+    )
     print(f"READY router {servicer.router_id} grpc={a.host}:{port}", flush=True)
     log.info(
         "serving",
@@ -118,7 +128,7 @@ async def serve(a) -> None:
 def main(a) -> int:
     from megaserve.logs import configure
 
-    configure()
+    configure(background=True)  # JSON rendering and writes off the request path
     try:
         asyncio.run(serve(a))
     except ValueError as e:  # a bad config file or checkpoint

@@ -20,11 +20,12 @@ from megaserve.finish import FinishReason
 from megaserve.status import Reason, abort
 from megaserve.v1 import generation_pb2 as pb
 from megaserve.v1 import generation_pb2_grpc as pb_grpc
+from router import costs
 from router.config import RouterConfig
 from router.detokenize import IncrementalDetokenizer
 from router.dispatch import Dispatcher, Overloaded
 from router.frontend import RouterError, chat_messages, invalid, parse_generate, resolve_model
-from router.logprobs import public_logprobs
+from router.logprobs import public_logprobs, public_prompt_logprobs
 from router.readiness import Readiness
 from router.state import ClusterState
 from router.stop_strings import StopStringMatcher
@@ -77,6 +78,29 @@ def add_generation_servicer(servicer, server) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
 
 
+# Text (or chat) longer than this is tokenized on a thread (about 0.2 us a character).
+INLINE_CHARS = 2048
+
+
+def _long_input(req) -> bool:
+    kind = req.WhichOneof("input")
+    if kind == "prompt":
+        return len(req.prompt) > INLINE_CHARS
+    if kind == "chat":
+        return sum(len(m.content) for m in req.chat.messages) > INLINE_CHARS
+    return False
+
+
+def _new_request_id() -> str:
+    return f"req-{uuid.uuid4().hex}"
+
+
+def _timed_parse(*args):
+    """parse_generate on a thread, with the thread's CPU time (the request's cost)."""
+    t = time.thread_time()
+    return parse_generate(*args), time.thread_time() - t
+
+
 class TextStream:
     """Token ids -> text for one request: incremental detokenization, then stop strings."""
 
@@ -111,6 +135,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.inflight = 0  # Generate calls admitted and not yet ended
         self.readiness: Readiness | None = None  # set by create_server
         self.refused = 0  # refused at once: max_inflight_requests were in flight
+        self.costs = costs.CostStats()  # CPU per request by component (logged on SIGUSR1)
 
     def max_context(self, model: str) -> int | None:
         ctx = [w.info.max_context for w in self.state.pool("decode", model) if w.info.max_context]
@@ -130,14 +155,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 retry_after_ms=self.cfg.retry_after_ms,
             )
         self.inflight += 1
+        cost = costs.begin()
         try:
-            async with contextlib.aclosing(self._generate(request, context)) as out:
+            async with contextlib.aclosing(self._generate(request, context, cost)) as out:
                 async for response in out:
                     yield response
+                    cost.lap("send")
         finally:
             self.inflight -= 1
+            self.costs.record(cost)
 
-    async def _generate(self, request, context):
+    async def _generate(self, request, context, cost: costs.RequestCost):
         if isinstance(request, BadMessage):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         arrived = time.monotonic()
@@ -147,34 +175,41 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if deadline is not None and left <= 0:
                 raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline already expired")
             model = resolve_model(request.model, self.models)
-            # Tokenizing long text takes a while: off the event loop, other streams flow on.
-            job = await asyncio.to_thread(
-                parse_generate,
-                request,
-                self.models,
-                self.max_context(model.name),
-                lambda: f"req-{uuid.uuid4().hex}",
-            )
+            args = (request, self.models, self.max_context(model.name), _new_request_id)
+            if _long_input(request):
+                # Tokenizing long text takes a while: off the event loop, other streams flow on.
+                job, thread_cpu = await asyncio.to_thread(_timed_parse, *args)
+                cost.add("validate", thread_cpu)
+            else:  # a thread hop would cost more than the work
+                job = parse_generate(*args)
+            cost.lap("validate")
         except RouterError as e:
             await context.abort(e.code, e.message)
-        if not await self.state.claim(job.request_id, self.router_id, INFLIGHT_TTL_S):
+        # A client's id may be reused by any router: it is claimed in Redis. An id made here is
+        # 122 random bits: unique without asking anyone.
+        shared = bool(request.request_id)
+        if not await self.state.claim(job.request_id, self.router_id, INFLIGHT_TTL_S, shared):
             await context.abort(
                 grpc.StatusCode.ALREADY_EXISTS,
                 f"request_id {job.request_id!r} is already in flight",
             )
+        cost.lap("claim")
         self.requests += 1
         text = TextStream(job.model, job.prompt, job.stop)
         usage = pb.Usage(prompt_tokens=len(job.prompt))
+        cost.lap("respond")
         log.info("request", request_id=job.request_id, prompt_tokens=len(job.prompt))
+        cost.lap("log")
         try:
             async with contextlib.aclosing(self.dispatcher.run(job, deadline)) as chunks:
                 async for c in chunks:
+                    cost.lap("worker_call")
                     if usage.completion_tokens == 0:
                         usage.cached_tokens = c.cached_tokens
                     usage.completion_tokens += len(c.token_ids)
                     new, stopped = text.push(c.token_ids, c.finish_reason is not None)
                     reason = FinishReason.STOP_STRING if stopped else c.finish_reason
-                    yield pb.GenerateResponse(
+                    response = pb.GenerateResponse(
                         token_ids=c.token_ids,
                         text=new,
                         finish_reason=(
@@ -184,6 +219,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                         request_id=job.request_id,
                         logprobs=public_logprobs(job, c.logprobs),
                     )
+                    if c.prompt_logprobs:  # first message only; a long prompt's texts: off the loop
+                        response.prompt_logprobs.extend(
+                            await asyncio.to_thread(public_prompt_logprobs, job, c.prompt_logprobs)
+                        )
+                    cost.lap("respond")
+                    yield response
                     if reason:
                         log.info(
                             "finished",
@@ -193,6 +234,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                             tokens=usage.completion_tokens,
                             ms=round(1000 * (time.monotonic() - arrived), 1),
                         )
+                        cost.lap("log")
                         return
         except Overloaded as e:  # every worker was full
             log.warning("refused", request_id=job.request_id, error=e.message)
@@ -203,7 +245,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             log.warning("failed", request_id=job.request_id, code=e.code.name, error=e.message)
             await context.abort(e.code, e.message)
         finally:
-            await self.state.release(job.request_id)
+            cost.lap("dispatch")
+            await self.state.release(job.request_id, shared)
+            cost.lap("release")
 
     async def Tokenize(self, request, context):  # noqa: N802
         if isinstance(request, BadMessage):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -27,12 +28,41 @@ from megaserve.state_keys import (
     worker_key,
     workers_set,
 )
+from router import costs
+from router.inflight import InflightConnection
 
 log = structlog.get_logger("megaserve.router.state")
 
 # Blocks a router predicts a worker now holds (it just sent a prompt there) are trusted this
 # long before the worker's own published set must confirm them.
 OPTIMISTIC_S = 5.0
+
+
+class _PrefixHexes:
+    """Hex block hashes of recent prompts: placing one request asks for the same prompt's
+    several times (each policy, each worker, the dispatcher), and a long prompt's hashes
+    cost milliseconds. Keyed by the list object (held, so its id stays unique); placement
+    never mutates a prompt list. One attempt's lookups come without an await between them,
+    so a few entries do (and few long prompts are held)."""
+
+    def __init__(self, size: int = 8):
+        self.size = size
+        self._by_id: OrderedDict[tuple[int, int], tuple[list[int], int, list[str]]] = OrderedDict()
+
+    def get(self, prompt: list[int], page_size: int) -> list[str]:
+        key = (id(prompt), page_size)
+        hit = self._by_id.get(key)
+        if hit is not None and hit[0] is prompt and hit[1] == len(prompt):
+            return hit[2]
+        # The decode tier matches prompt[:-1] (the last token's KV comes from the first step).
+        hexes = [block_hex(h) for h in block_hashes(prompt[: len(prompt) - 1], page_size)]
+        self._by_id[key] = (prompt, len(prompt), hexes)
+        if len(self._by_id) > self.size:
+            self._by_id.popitem(last=False)
+        return hexes
+
+
+_prefix_hexes = _PrefixHexes()
 
 
 @dataclass
@@ -76,8 +106,8 @@ class WorkerView:
         The decode tier matches prompt[:-1] (the last token's KV comes from the first step).
         """
         n, now = 0, time.monotonic()
-        for h in block_hashes(prompt[: len(prompt) - 1], self.info.page_size):
-            if not self.has_block(block_hex(h), now):
+        for h in _prefix_hexes.get(prompt, self.info.page_size):
+            if not self.has_block(h, now):
                 break
             n += 1
         return n
@@ -85,8 +115,8 @@ class WorkerView:
     def expect_blocks(self, prompt: list[int]) -> None:
         """Records that this worker is about to cache prompt's full blocks."""
         until = time.monotonic() + OPTIMISTIC_S
-        for h in block_hashes(prompt[: len(prompt) - 1], self.info.page_size):
-            self.optimistic[block_hex(h)] = until
+        for h in _prefix_hexes.get(prompt, self.info.page_size):
+            self.optimistic[h] = until
 
 
 @dataclass
@@ -102,6 +132,8 @@ class ClusterState:
         # A redis:// URL or a redis+sentinel:// one (the client follows failovers); a bad URL
         # raises RedisURLError (a ValueError) naming it.
         self.redis = async_client(redis_url, timeout=0.5) if redis_url else None
+        # In-flight ids on their own pipelined connection (None: through self.redis).
+        self._ids = InflightConnection.for_url(redis_url, 0.5) if redis_url else None
         self.refresh_s, self.session_ttl_s = refresh_s, session_ttl_s
         self.workers: dict[str, WorkerView] = {}
         self.redis_ok = False
@@ -146,11 +178,14 @@ class ClusterState:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        if self._ids is not None:
+            self._ids.close()
         if self.redis is not None:
             await self.redis.aclose()
 
     async def _loop(self) -> None:
         while True:
+            t = time.thread_time()
             try:
                 await self.refresh()
                 if not self.redis_ok:
@@ -165,6 +200,8 @@ class ClusterState:
                 log.exception("state refresh failed", error=repr(e))
             pulse, self._pulse = self._pulse, asyncio.Event()
             pulse.set()
+            # Not a request's cost: requests whose CPU laps span a refresh are not charged it.
+            costs.charge_background(time.thread_time() - t)
             await asyncio.sleep(self.refresh_s)
 
     async def refresh(self) -> None:
@@ -172,12 +209,12 @@ class ClusterState:
         if self.redis is None:
             return
         r = self.redis
-        ids = []
+        pipe = r.pipeline(transaction=False)
         for role in ("decode", "prefill"):
-            ids += [
-                (m.decode() if isinstance(m, bytes) else m)
-                for m in await r.smembers(workers_set(role))
-            ]
+            pipe.smembers(workers_set(role))
+        ids = [
+            (m.decode() if isinstance(m, bytes) else m) for ms in await pipe.execute() for m in ms
+        ]
         pipe = r.pipeline(transaction=False)
         for wid in ids:
             pipe.hgetall(worker_key(wid))
@@ -254,16 +291,19 @@ class ClusterState:
             log.warning("session not saved in redis", session_id=session_id, error=str(e))
 
     # -- in-flight request ids -----------------------------------------------------------
-    async def claim(self, request_id: str, owner: str, ttl_s: float) -> bool:
-        """True if no other request with this id is in flight on any router."""
+    async def claim(self, request_id: str, owner: str, ttl_s: float, shared: bool = True) -> bool:
+        """True if no other request with this id is in flight on any router (shared=False:
+        an id only this router can have made, checked here alone)."""
         if request_id in self._inflight:
             return False
         self._inflight.add(request_id)
-        if self.redis is not None:
+        if shared and self.redis is not None:
+            key, px = inflight_key(request_id), int(ttl_s * 1000)
             try:
-                ok = await self.redis.set(
-                    inflight_key(request_id), owner, nx=True, px=int(ttl_s * 1000)
-                )
+                if self._ids is not None:
+                    ok = await self._ids.set_nx(key, owner, px)
+                else:
+                    ok = await self.redis.set(key, owner, nx=True, px=px)
                 if not ok:
                     self._inflight.discard(request_id)
                     return False
@@ -279,10 +319,13 @@ class ClusterState:
                     self._claim_warn_at, self._claim_fallbacks = now + self._claim_warn_s, 0
         return True
 
-    async def release(self, request_id: str) -> None:
+    async def release(self, request_id: str, shared: bool = True) -> None:
         self._inflight.discard(request_id)
-        if self.redis is not None:
+        if shared and self.redis is not None:
             try:
-                await self.redis.delete(inflight_key(request_id))
+                if self._ids is not None:
+                    await self._ids.delete(inflight_key(request_id))
+                else:
+                    await self.redis.delete(inflight_key(request_id))
             except (redis.RedisError, OSError):
                 pass  # the key expires by itself

@@ -1,6 +1,7 @@
 """The benchmarks' summary arithmetic on synthetic timestamps, against hand-computed values:
-bandwidth floor and fraction of it, a KV hand-off's hidden share, ITL splitting, steady-state
-decode throughput, percentiles, goodput, the router's overhead and fairness."""
+timed-run statistics (median [min-max]) and decode rows, bandwidth floor and fraction of it,
+ITL splitting, steady-state decode throughput, percentiles, goodput, the router's overhead and
+fairness (the KV hand-off's rows: tests/test_bench_handoff_summary.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import grpc
 import numpy as np
 import pytest
 
-from megaserve_app.bench import peers, serve, summary
+from megaserve_app.bench import serve, summary
 from tests.conftest import FakeClock
 
 approx = pytest.approx
@@ -32,8 +33,6 @@ def test_bandwidth_floor_and_fraction_of_it():
     assert summary.floor_fraction(2.0, 8.0) == 0.25
     assert summary.floor_fraction(2.0, 2.0) == 1.0
     assert summary.tokens_per_s(8, 4.0) == 2000.0  # 8 tokens every 4 ms
-    assert summary.median_ms([0.003, 0.001, 0.002]) == approx(2.0)
-    assert summary.median_ms([0.001, 0.002, 0.003, 0.010]) == approx(2.5)
 
 
 def test_step_bytes_counts_weights_once_and_kv_per_sequence():
@@ -53,73 +52,6 @@ def test_step_bytes_counts_weights_once_and_kv_per_sequence():
     want = 64 + 128 + 16 + 2 * 16 + 2 * 10 * 64 + 2 * 64
     assert step_bytes(model, batch=2, context=10, kv_itemsize=4) == want == 1648
     assert summary.floor_ms(want, 1648e3) == 1.0  # at 1.648 MB/s: 1 ms
-
-
-def test_transfer_hidden_behind_compute():
-    # Compute 10 ms; the first chunk leaves at 2 ms and the transfer takes 5: done at 7 ms,
-    # inside compute: nothing shows, all of it hidden.
-    assert summary.transfer_tail_ms(2.0, 5.0, 10.0) == 0.0
-    assert summary.hidden_fraction(0.0, 5.0) == 1.0
-    # First chunk at 6 ms, 8 ms of transfer: ends at 14, 4 ms after compute; half hidden.
-    assert summary.transfer_tail_ms(6.0, 8.0, 10.0) == 4.0
-    assert summary.hidden_fraction(4.0, 8.0) == 0.5
-    # Nothing overlapped: the transfer starts when compute ends.
-    assert summary.hidden_fraction(summary.transfer_tail_ms(10.0, 8.0, 10.0), 8.0) == 0.0
-    assert summary.hidden_fraction(0.0, 0.0) == 1.0  # nothing sent (every page cached)
-
-
-def test_handoff_row_from_timestamps():
-    row = summary.handoff_row(
-        prompt_len=1024,
-        bytes_sent=4_000_000,
-        compute_ms=10.0,
-        transfer_ms=8.0,
-        first_chunk_sent_ms=6.0,
-        t0=100.0,
-        t1=100.002,  # Reserve answered 2 ms after it was sent
-        t2=100.017,  # Prefill answered 15 ms later
-        stamps=[100.020, 100.0235],  # first token at 20 ms, the second 3.5 ms after it
-    )
-    assert list(row) == [
-        "prompt",
-        "bytes",
-        "reserve_ms",
-        "prefill_compute_ms",
-        "transfer_ms",
-        "transfer_tail_ms",
-        "hidden_fraction",
-        "prefill_rpc_ms",
-        "first_token_ms",
-        "first_decode_step_ms",
-        "transfer_GBps",
-    ]
-    assert row == {
-        "prompt": 1024,
-        "bytes": 4_000_000,
-        "reserve_ms": approx(2.0),
-        "prefill_compute_ms": 10.0,
-        "transfer_ms": 8.0,
-        "transfer_tail_ms": 4.0,
-        "hidden_fraction": 0.5,
-        "prefill_rpc_ms": approx(15.0),
-        "first_token_ms": approx(20.0),
-        "first_decode_step_ms": approx(3.5),
-        "transfer_GBps": 0.5,  # 4 MB in 8 ms
-    }
-    # A zero transfer time (nothing to send) divides by a microsecond, not by zero.
-    assert summary.handoff_row(16, 0, 1.0, 0.0, 0.0, 0, 0, 0, [0, 0])["transfer_GBps"] == 0.0
-
-
-def test_raw_transfer_row_against_memcpy():
-    row = summary.raw_transfer_row("grpc", 2_000_000_000, 0.5, 8.0)
-    assert row == {
-        "transport": "grpc",
-        "bytes": 2_000_000_000,
-        "seconds": 0.5,
-        "GBps": 4.0,
-        "memcpy_GBps": 8.0,
-        "ratio": 0.5,
-    }
 
 
 def test_itl_splits_a_message_gap_over_its_tokens():
@@ -304,15 +236,42 @@ def test_router_drive_summary_and_overhead():
     assert summary.max_over_fair([16, 16, 16, 16], 64) == 1.0
 
 
-def test_peer_rows_average_the_timed_steps():
-    spec = {"warmup": 2, "precision": "f32", "batch": 4, "context": 512}
-    row = peers.summarize(spec, [1.0, 1.0, 0.010, 0.020, 0.030], "llama.cpp")
-    assert row == {
-        "engine": "llama.cpp",
-        "precision": "f32",
-        "batch": 4,
-        "context": 512,
-        "ms_per_step": 20.0,  # the warm-up steps left out
-        "tokens_per_s": 200.0,
-        "steps": 3,
+def test_run_stats_median_and_min_max_of_the_runs():
+    # Runs of 4, 2 and 9 ms: median 4, spread 2-9 (the mean, 5, would follow the 9).
+    s = summary.run_stats([0.004, 0.002, 0.009])
+    assert s == approx((4.0, 2.0, 9.0, 3))
+    assert s.fields("ms_per_step") == {
+        "ms_per_step": approx(4.0),
+        "ms_min": approx(2.0),
+        "ms_max": approx(9.0),
+        "runs": 3,
     }
+    # An even count: the middle two's mean. Runs of a batch of 4 prompts: each run / 4 first.
+    assert summary.run_stats([0.001, 0.002, 0.003, 0.010]).median_ms == approx(2.5)
+    assert summary.run_stats([0.004, 0.012, 0.008], per=4) == approx((2.0, 1.0, 3.0, 3))
+    assert summary.spread_text(25.54, 24.06, 131.0) == "25.5 [24.1-131.0]"
+    with pytest.raises(ValueError, match="no timed runs"):
+        summary.run_stats([])
+
+
+def test_decode_row_statistic_tokens_per_s_and_floor_from_step_times():
+    from megaserve_app.bench.decode import decode_row
+
+    # Batch 8; steps of 40, 20, 25, 30 and 200 ms: median 30 [20-200] (the mean is 63).
+    times = [0.040, 0.020, 0.025, 0.030, 0.200]
+    raw = {"engine": "transformers", "precision": "f32", "batch": 8, "context": 512}
+    row = decode_row(raw | {"times_s": times}, bytes_per_step=6_000_000_000, bandwidth=1e12)
+    assert row == raw | {
+        "ms_per_step": approx(30.0),
+        "ms_min": approx(20.0),
+        "ms_max": approx(200.0),
+        "runs": 5,
+        "tokens_per_s": approx(8000 / 30),  # 8 tokens per 30 ms step
+        "bytes_per_step": 6_000_000_000,
+        "floor_ms": 6.0,  # 6 GB at 1 TB/s
+        "floor_fraction": approx(0.2),  # 6 ms of floor / 30 ms
+        "times_s": times,
+    }
+    no_floor = decode_row(raw | {"times_s": times}, None, 1e12)
+    assert "floor_ms" not in no_floor and no_floor["tokens_per_s"] == row["tokens_per_s"]
+    assert decode_row(raw | {"error": "timeout"}, None, 1e12) == raw | {"error": "timeout"}

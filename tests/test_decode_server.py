@@ -111,6 +111,15 @@ def _bad(rid="b", prompt=(1,), max_tokens=3, **sampling):
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 
+def _scoring(**kw):
+    return decode_pb2.GenerateRequest(
+        request_id="b",
+        prompt_token_ids=[1, 2],
+        stopping=decode_pb2.StoppingParams(max_tokens=1),
+        **kw,
+    )
+
+
 @pytest.mark.parametrize(
     "req,code,match",
     [
@@ -125,6 +134,10 @@ _INVALID = grpc.StatusCode.INVALID_ARGUMENT
         (_bad(prompt=(1, 96000)), _INVALID, "96000"),
         (_bad(prompt=()), _INVALID, "prompt_token_ids is empty"),
         (_bad(rid=""), _INVALID, "request_id is empty"),
+        (_scoring(prompt_logprobs=True, prompt_top_n=-1), _INVALID, "prompt_top_n=-1"),
+        (_scoring(prompt_logprobs=True, prompt_top_n=21), _INVALID, "prompt_top_n=21 must be"),
+        (_scoring(prompt_top_n=2), _INVALID, "prompt_top_n=2 without prompt_logprobs"),
+        (_scoring(prompt_logprobs=True, resumed_tokens=1), _INVALID, "resumed_tokens=1"),
     ],
     ids=lambda x: x if isinstance(x, str) else None,
 )
@@ -265,6 +278,7 @@ def test_logprobs_and_penalties_over_grpc(worker, tiny_model):
             stub = decode_pb2_grpc.DecodeStub(ch)
             req = _req("lp", prompt, 5)
             req.logprobs = 3
+            req.prompt_logprobs, req.prompt_top_n = True, 2
             return [r async for r in stub.Generate(req)]
 
     resps = asyncio.run(main())
@@ -278,6 +292,14 @@ def test_logprobs_and_penalties_over_grpc(worker, tiny_model):
     _, logits = OfflineGenerator(tiny_model, max_context=128).prefill(prompt, SamplingParams())
     ref = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
     assert abs(lps[0].logprob - ref[toks[0]]) < 1e-4
+    # Prompt tokens 1.. on the first message only; the last scores token 3 given tokens 0..2.
+    assert [p.token_id for p in resps[0].prompt_logprobs] == prompt[1:]
+    assert all(not r.prompt_logprobs for r in resps[1:])
+    _, logits = OfflineGenerator(tiny_model, max_context=128).prefill(prompt[:3], SamplingParams())
+    ref = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+    last = resps[0].prompt_logprobs[-1]
+    assert abs(last.logprob - ref[prompt[3]]) < 1e-4 and len(last.top_token_ids) == 2
+    assert list(last.top_token_ids) == np.argsort(-ref, kind="stable")[:2].tolist()
     _assert_pool_clean(engine)
 
 

@@ -102,7 +102,8 @@ def test_worker_process_lifecycle(redis_server):
         events = [json.loads(x) for x in logs.splitlines() if x.startswith("{")]
         compiled = [e for e in events if e["event"] == "programs compiled"]
         assert len(compiled) == 1 and compiled[0]["programs"] > 20, compiled
-        assert set(compiled[0]["by_name"]) == {"decode", "prefill", "pick", "kv_write"}
+        names = {"decode", "prefill", "prefill_logprobs", "pick", "kv_write"}
+        assert set(compiled[0]["by_name"]) == names
         assert [e for e in events if e["event"] == "memory plan"]
         assert not [e for e in events if "compiled while serving" in e["event"]], events
     finally:

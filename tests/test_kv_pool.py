@@ -22,7 +22,7 @@ def test_pow2_pieces_cover_exactly():
 def test_write_then_read_any_count_round_trips_and_compiles_few_shapes(row):
     pool = KVPool.create(2, 80, 4, 2, 8, row=row)
     assert pool.k.shape == (2, 80, 4, row)
-    write_fn, read_fn = kv_cache.page_fns(pool.kv_width)
+    write_fn, read_fn = pool.page_fns()
     writes0, reads0 = write_fn._cache_size(), read_fn._cache_size()
     rng = np.random.default_rng(0)
     free = list(range(1, 80))

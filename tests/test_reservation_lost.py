@@ -10,6 +10,7 @@ import time
 
 import grpc
 import numpy as np
+import pytest
 
 from decode_service.engine import DecodeEngine, EngineConfig, wait_idle
 from decode_service.server import create_server
@@ -159,3 +160,30 @@ def test_a_lease_does_not_run_while_the_engine_itself_is_stalled(tiny_model):
     finally:
         servers.stop()
         engine.stop()
+
+
+def test_early_page_writes_of_a_lost_reservation_write_nothing():
+    """Blocks of a push are written into the reservation's pages before its commit; once
+    that reservation is gone (and its id reserved again) a late block writes nothing."""
+    from decode_service.reservations import Reservations
+    from kernels.kv_cache import KVPool
+    from megaserve.errors import ReservationGone
+    from megaserve.kv.allocator import PageAllocator
+
+    pool = KVPool.create(2, 8, 4, 1, 4)
+    res = Reservations(PageAllocator(8, 4), pool, 60.0, lambda r: None, lambda s: None)
+    old = res.reserve("r", list(range(1, 9)), 60.0)  # two pages
+    block = [(0, np.ones((2, 2, 4, 1, 4), np.float32), np.ones((2, 2, 4, 1, 4), np.float32))]
+    assert res.write(old, block)
+    assert np.asarray(pool.k)[:, old.pages].all()
+    res.drop("r")
+    new = res.reserve("r", list(range(1, 9)), 60.0)
+    zero = [(0, np.zeros((2, 2, 4, 1, 4), np.float32), np.zeros((2, 2, 4, 1, 4), np.float32))]
+    assert res.write(new, zero)
+    assert not res.write(old, block)  # the stale push's block: not into the new pages
+    assert not np.asarray(pool.k)[:, new.pages].any()
+    with pytest.raises(ReservationGone, match="'r' expired before its KV committed"):
+        res.commit(old, 7, [])
+    res.commit(new, 7, [])
+    assert new.first_token == 7
+    assert not res.write(new, block)  # committed: nothing more goes in

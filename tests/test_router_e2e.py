@@ -1,8 +1,12 @@
 """Router -> prefill -> decode as real processes on a real Redis: tokens equal in-process
 generation for text, chat and token-id inputs; stop conditions; sessions (one router and two);
-health and reflection. Bad input is in tests/test_router_e2e_bad_input.py."""
+health and reflection; generated and prompt log-probabilities equal the in-process generator's
+and transformers'. Bad input is in tests/test_router_e2e_bad_input.py."""
 
 from __future__ import annotations
+
+import json
+import subprocess
 
 import grpc
 import numpy as np
@@ -15,6 +19,7 @@ from megaserve.sampling_params import SamplingParams
 from megaserve.v1 import generation_pb2 as pb
 from megaserve.v1 import generation_pb2_grpc as pbg
 from megaserve_app.launch import worker_stats
+from tests.conftest import FIXTURES
 from tests.router_stack import (
     DECODE,
     DISAGG_MIN,
@@ -295,3 +300,52 @@ def test_logprobs_equal_in_process_logits(stack, reference, top_n):
 
 
 _SIX = {"stopping": pb.StoppingParams(max_tokens=6, ignore_eos=True)}
+
+
+def test_prompt_logprobs_equal_in_process_logits(stack, reference):
+    """Prompt token i + 1's log-probability given tokens 0..i (and the prompt_top_n there), on
+    the first message only: log-softmax of the in-process prefill's logits for that prefix,
+    over 3 prefill chunks of 64; the same again from the prefix cache; so is perplexity."""
+    _, addr, _, _ = stack
+    model, gen = reference
+    prompt = list(range(360, 210, -1))
+    ref = [_log_softmax(gen.prefill(prompt[:i], SamplingParams())[1]) for i in range(1, 150)]
+    kw = {"prompt_token_ids": pb.TokenIds(ids=prompt), "session_id": "plp", **_SIX}  # one worker
+    lp = pb.LogprobsParams(enabled=True, prompt=True, prompt_top_n=2)
+    for cached in (False, True):
+        ids, _, out = generate(addr, logprobs=lp, **kw)
+        assert (out[-1].usage.cached_tokens > 0) == cached
+        assert len(out[0].prompt_logprobs) == 149 and all(not o.prompt_logprobs for o in out[1:])
+        assert len([x for o in out for x in o.logprobs]) == len(ids) == 6
+        for p, e in enumerate(out[0].prompt_logprobs):
+            want = np.argsort(-ref[p], kind="stable")[:2].tolist()
+            assert e.token_id == prompt[p + 1] and e.token == model.tokenizer.decode([e.token_id])
+            assert abs(e.logprob - ref[p][e.token_id]) < 1e-4, (p, e.logprob)
+            assert [t.token_id for t in e.top] == want
+            assert np.allclose([t.logprob for t in e.top], ref[p][want], atol=1e-4)
+        got = np.exp(-np.mean([e.logprob for e in out[0].prompt_logprobs]))
+        assert abs(got / np.exp(-np.mean([r[t] for r, t in zip(ref, prompt[1:])])) - 1) < 1e-4
+    # Prompt only (no generated-token entries), without alternatives.
+    _, _, out = generate(addr, logprobs=pb.LogprobsParams(prompt=True), **kw)
+    assert [e.token_id for e in out[0].prompt_logprobs] == prompt[1:]
+    assert all(not e.top for e in out[0].prompt_logprobs) and not out[0].logprobs
+
+
+@pytest.mark.reference  # needs .venv-ref: skips without it, fails under CI=true (conftest)
+def test_logprobs_equal_transformers(stack, ref_python):
+    """Through the router, prompt and generated-token log-probabilities equal transformers'
+    own forward over the same checkpoint (run now, from .venv-ref) to f32 rounding."""
+    _, addr, ck, _ = stack
+    prompt = list(range(290, 180, -1))  # two prefill chunks
+    lp = pb.LogprobsParams(enabled=True, prompt=True)
+    ids, _, out = generate(addr, prompt_token_ids=pb.TokenIds(ids=prompt), logprobs=lp, **_SIX)
+    cmd = [str(ref_python), str(FIXTURES / "hf_logprobs.py"), str(ck)]
+    run = subprocess.run(cmd, input=json.dumps(prompt + ids), capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ref = np.asarray(json.loads(run.stdout))  # entry i: log p(token i + 1 | tokens 0..i)
+    scored = [e.logprob for e in out[0].prompt_logprobs]
+    generated = [e.logprob for o in out for e in o.logprobs]
+    assert len(scored) == len(prompt) - 1 and len(generated) == len(ids) == 6
+    assert np.max(np.abs(np.asarray(scored + generated) - ref)) < 1e-4
+    perplexity = np.exp(-np.mean(scored))
+    assert abs(perplexity / np.exp(-np.mean(ref[: len(prompt) - 1])) - 1) < 1e-5

@@ -72,6 +72,25 @@ BAD = {
         grpc.StatusCode.INVALID_ARGUMENT,
         "logprobs.top_n=21 must be in [0, 20]",
     ),
+    "negative logprobs.prompt_top_n": (
+        {"model": MODEL, **IDS, "logprobs": pb.LogprobsParams(prompt=True, prompt_top_n=-2)},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "logprobs.prompt_top_n=-2",
+    ),
+    "logprobs.prompt_top_n above the limit": (
+        {"model": MODEL, **IDS, "logprobs": pb.LogprobsParams(prompt_top_n=21)},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "logprobs.prompt_top_n=21 must be in [0, 20]",
+    ),
+    "prompt logprobs of a one-token prompt": (
+        {
+            "model": MODEL,
+            "prompt_token_ids": pb.TokenIds(ids=[5]),
+            "logprobs": pb.LogprobsParams(prompt=True),
+        },
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "the prompt has 1 token",
+    ),
     "negative max_tokens": (
         {"model": MODEL, **IDS, "stopping": pb.StoppingParams(max_tokens=-1)},
         grpc.StatusCode.INVALID_ARGUMENT,

@@ -166,10 +166,12 @@ def ring_forward(
       plan: the megakernel plan (its sizes and tile order; batch and page width unused).
       mparams: `pack_megakernel` output.
       tokens, positions: i32[B, T] (-1 = padding); k_cache, v_cache: [L, pages, page_size,
-      Hkv * D] pools; page_table: i32[B, P]; logits_index: i32[B]; dtype: the activations'
-      dtype, the serving dtype `llama.forward` takes from its params (rings are bf16).
+      Hkv * D] pools; page_table: i32[B, P]; logits_index: i32[B] (None: every position);
+      dtype: the activations' dtype, the serving dtype `llama.forward` takes from its params
+      (rings are bf16).
     Returns:
-      (f32[B, V] logits, k_cache, v_cache), as `llama.forward`.
+      (f32[B, V] logits (f32[B, T, V] for every position), k_cache, v_cache), as
+      `llama.forward`.
     """
     p, mp = plan, mparams
     h = mp["embed"][tokens][..., : p.hidden].astype(dtype)  # rows are lane-padded
@@ -180,8 +182,10 @@ def ring_forward(
         )
         x = rms_norm(h, mp["vec"][li][VecRow.LN_MLP, : p.hidden], p.eps)
         h = h + (_moe_mlp if p.is_moe[li] else _dense_mlp)(p, mp, li, x)
-    last = jnp.take_along_axis(h, logits_index[:, None, None], axis=1)[:, 0]
-    last = rms_norm(last, mp["final_norm"][0, : p.hidden], p.eps)
+    if logits_index is not None:
+        h = jnp.take_along_axis(h, logits_index[:, None, None], axis=1)[:, 0]
+    last = rms_norm(h, mp["final_norm"][0, : p.hidden], p.eps)
     tiles = mp["ring_a"][p.lm_base : p.lm_base + p.vocab_tiles]  # [VT, D, ta]
-    logits = _tiles(last, tiles)  # [B, VT, ta]
-    return logits.reshape(last.shape[0], -1)[:, : p.vocab].astype(jnp.float32), k_cache, v_cache
+    logits = _tiles(last, tiles)  # [..., VT, ta]
+    logits = logits.reshape(*last.shape[:-1], -1)[..., : p.vocab]
+    return logits.astype(jnp.float32), k_cache, v_cache

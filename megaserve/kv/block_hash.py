@@ -21,3 +21,20 @@ def block_hashes(tokens: list[int], page_size: int, parent: int = 0) -> list[int
         h = int.from_bytes(d, "little")
         out.append(h)
     return out
+
+
+class GrowingHashes:
+    """The block hashes of an append-only token list (a sequence's prompt, then its output),
+    each block hashed once however often they are asked for."""
+
+    def __init__(self, page_size: int):
+        self.page_size = page_size
+        self.hashes: list[int] = []
+
+    def first(self, tokens: list[int], n_blocks: int) -> list[int]:
+        """Hashes of tokens' first n_blocks full blocks."""
+        have, ps = len(self.hashes), self.page_size
+        if have < n_blocks:
+            parent = self.hashes[-1] if have else 0
+            self.hashes += block_hashes(tokens[have * ps : n_blocks * ps], ps, parent)
+        return self.hashes[:n_blocks]

@@ -24,27 +24,29 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fmegaserve/rpc/kv_transfer.proto\x12\x15megaserve.internal.v1\" \n\tKVTrailer\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\"\x9b\x02\n\x08KVHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x12\n\nfirst_page\x18\x04 \x01(\r\x12\x11\n\tnum_pages\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x34\n\ncache_kind\x18\x07 \x01(\x0e\x32 .megaserve.internal.v1.CacheKind\x12\x11\n\tpage_size\x18\x08 \x01(\r\x12\x12\n\nhead_start\x18\t \x01(\r\x12\x10\n\x08head_end\x18\n \x01(\r\x12\x10\n\x08head_dim\x18\x0b \x01(\r\x12\x12\n\nhas_scales\x18\x0c \x01(\x08\x12\x16\n\x0elayout_version\x18\r \x01(\rJ\x04\x08\x02\x10\x03\"\x9f\x01\n\x07KVChunk\x12\x13\n\x0blayer_start\x18\x01 \x01(\r\x12\x11\n\tlayer_end\x18\x02 \x01(\r\x12\x12\n\npage_index\x18\x03 \x03(\r\x12\r\n\x05shape\x18\x04 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x06 \x01(\r\x12,\n\x04pull\x18\x07 \x01(\x0b\x32\x1e.megaserve.internal.v1.PullRef\"(\n\x07PullRef\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04uuid\x18\x02 \x01(\x04\"\xa9\x01\n\x06KVPush\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.megaserve.internal.v1.KVHeaderH\x00\x12/\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1e.megaserve.internal.v1.KVChunkH\x00\x12\x33\n\x07trailer\x18\x03 \x01(\x0b\x32 .megaserve.internal.v1.KVTrailerH\x00\x42\x06\n\x04kind\"/\n\x0eKVPushResponse\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x02 \x01(\r*@\n\tCacheKind\x12\x1a\n\x16\x43\x41\x43HE_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13\x43\x41\x43HE_KIND_PAGED_KV\x10\x01\x32\\\n\nKVTransfer\x12N\n\x04Push\x12\x1d.megaserve.internal.v1.KVPush\x1a%.megaserve.internal.v1.KVPushResponse(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fmegaserve/rpc/kv_transfer.proto\x12\x15megaserve.internal.v1\" \n\tKVTrailer\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\"\xce\x02\n\x08KVHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x12\n\nfirst_page\x18\x04 \x01(\r\x12\x11\n\tnum_pages\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x34\n\ncache_kind\x18\x07 \x01(\x0e\x32 .megaserve.internal.v1.CacheKind\x12\x11\n\tpage_size\x18\x08 \x01(\r\x12\x12\n\nhead_start\x18\t \x01(\r\x12\x10\n\x08head_end\x18\n \x01(\r\x12\x10\n\x08head_dim\x18\x0b \x01(\r\x12\x12\n\nhas_scales\x18\x0c \x01(\x08\x12\x16\n\x0elayout_version\x18\r \x01(\r\x12\x31\n\x08\x63hecksum\x18\x0e \x01(\x0e\x32\x1f.megaserve.internal.v1.ChecksumJ\x04\x08\x02\x10\x03\"\xa2\x01\n\x07KVChunk\x12\x13\n\x0blayer_start\x18\x01 \x01(\r\x12\x11\n\tlayer_end\x18\x02 \x01(\r\x12\x12\n\npage_index\x18\x03 \x03(\r\x12\r\n\x05shape\x18\x04 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\x04\x12,\n\x04pull\x18\x07 \x01(\x0b\x32\x1e.megaserve.internal.v1.PullRef\"8\n\x07PullRef\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04uuid\x18\x02 \x01(\x04\x12\x0e\n\x06\x61rrays\x18\x03 \x01(\r\"\xa9\x01\n\x06KVPush\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.megaserve.internal.v1.KVHeaderH\x00\x12/\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1e.megaserve.internal.v1.KVChunkH\x00\x12\x33\n\x07trailer\x18\x03 \x01(\x0b\x32 .megaserve.internal.v1.KVTrailerH\x00\x42\x06\n\x04kind\"/\n\x0eKVPushResponse\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x02 \x01(\r*N\n\x08\x43hecksum\x12\x18\n\x14\x43HECKSUM_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x43HECKSUM_CRC32\x10\x01\x12\x14\n\x10\x43HECKSUM_XXH3_64\x10\x02*@\n\tCacheKind\x12\x1a\n\x16\x43\x41\x43HE_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13\x43\x41\x43HE_KIND_PAGED_KV\x10\x01\x32\\\n\nKVTransfer\x12N\n\x04Push\x12\x1d.megaserve.internal.v1.KVPush\x1a%.megaserve.internal.v1.KVPushResponse(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'megaserve.rpc.kv_transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CACHEKIND']._serialized_start=803
-  _globals['_CACHEKIND']._serialized_end=867
+  _globals['_CHECKSUM']._serialized_start=873
+  _globals['_CHECKSUM']._serialized_end=951
+  _globals['_CACHEKIND']._serialized_start=953
+  _globals['_CACHEKIND']._serialized_end=1017
   _globals['_KVTRAILER']._serialized_start=58
   _globals['_KVTRAILER']._serialized_end=90
   _globals['_KVHEADER']._serialized_start=93
-  _globals['_KVHEADER']._serialized_end=376
-  _globals['_KVCHUNK']._serialized_start=379
-  _globals['_KVCHUNK']._serialized_end=538
-  _globals['_PULLREF']._serialized_start=540
-  _globals['_PULLREF']._serialized_end=580
-  _globals['_KVPUSH']._serialized_start=583
-  _globals['_KVPUSH']._serialized_end=752
-  _globals['_KVPUSHRESPONSE']._serialized_start=754
-  _globals['_KVPUSHRESPONSE']._serialized_end=801
-  _globals['_KVTRANSFER']._serialized_start=869
-  _globals['_KVTRANSFER']._serialized_end=961
+  _globals['_KVHEADER']._serialized_end=427
+  _globals['_KVCHUNK']._serialized_start=430
+  _globals['_KVCHUNK']._serialized_end=592
+  _globals['_PULLREF']._serialized_start=594
+  _globals['_PULLREF']._serialized_end=650
+  _globals['_KVPUSH']._serialized_start=653
+  _globals['_KVPUSH']._serialized_end=822
+  _globals['_KVPUSHRESPONSE']._serialized_start=824
+  _globals['_KVPUSHRESPONSE']._serialized_end=871
+  _globals['_KVTRANSFER']._serialized_start=1019
+  _globals['_KVTRANSFER']._serialized_end=1111
 # @@protoc_insertion_point(module_scope)

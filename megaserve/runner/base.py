@@ -4,6 +4,7 @@ backend (XLA everywhere, the Pallas megakernel on TPU)."""
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -12,6 +13,16 @@ from kernels.programs import Program, ProgramCache
 from megaserve.runner.batch import TokenBatch
 from megaserve.runner.buckets import StepConfig
 from megaserve.sampling_params import SamplingArrays
+
+
+@dataclass(frozen=True)
+class PositionLogprobs:
+    """What a scoring prefill returns for each position of its padded chunk (rows and columns
+    as the call's padded tokens: row s, column t is the row's t-th new token)."""
+
+    target: np.ndarray  # f32[S, T] log-probability of the target token at each position
+    top_ids: np.ndarray  # i32[S, T, K] the K most likely next tokens, most likely first
+    top: np.ndarray  # f32[S, T, K] their log-probabilities
 
 
 class Runner(abc.ABC):
@@ -40,6 +51,35 @@ class Runner(abc.ABC):
         Returns:
           (i32[S] next tokens, f32[S, V] logits at each row's last new token).
         """
+
+    @abc.abstractmethod
+    def prefill_with_logprobs(
+        self, batch: TokenBatch, sampling: SamplingArrays, targets: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, PositionLogprobs]:
+        """`prefill` that also scores every new token's position (prompt log-probabilities):
+        the log-softmax of the model's raw logits there, reduced on the device.
+
+        A separate program (`logprob_programs`), so plain prefill computes no per-position
+        logits. Chunks pad to one length, `logprob_chunk`.
+
+        Args:
+          targets: i32[N] per new token (in `batch.tokens` order), the token whose
+            log-probability to return at its position (the next prompt token).
+        Returns:
+          (i32[S] next tokens, f32[S, V] last-token logits, PositionLogprobs with K =
+          min(MAX_LOGPROBS, V) alternatives).
+        """
+
+    @abc.abstractmethod
+    def logprob_programs(self) -> list[Program]:
+        """The `prefill_with_logprobs` programs, abstract: engines that serve prompt
+        log-probabilities add them to their compiled set."""
+
+    @property
+    @abc.abstractmethod
+    def logprob_chunk(self) -> int:
+        """The one chunk length `prefill_with_logprobs` pads to (>= the largest token bucket
+        and the page size): the largest chunk, so one program per row bucket."""
 
     @abc.abstractmethod
     def decode(

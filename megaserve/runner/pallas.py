@@ -15,7 +15,7 @@ from kernels.megakernel.plan import MegaPlan, make_plan
 from kernels.megakernel.ring_forward import ring_forward
 from kernels.megakernel.step import megakernel_step
 from kernels.programs import Program, is_abstract
-from kernels.xla_step import pick, prefill_program
+from kernels.xla_step import pick
 from megaserve.errors import BackendError
 from megaserve.runner.xla import PaddedDecode, XlaRunner
 
@@ -45,7 +45,8 @@ class RingFamily:
 
 @dataclass
 class MegakernelRunner(XlaRunner):
-    """Prefill stays the XLA program; decode runs the megakernel (interpreted off TPU).
+    """Prefill (and its scoring variant) stays the XLA program over the rings; decode runs the
+    megakernel (interpreted off TPU).
 
     Decode programs are keyed by batch bucket only: every call passes the full page table
     (max pages per sequence) and the kernel's read loop runs over the pages each row really
@@ -74,8 +75,7 @@ class MegakernelRunner(XlaRunner):
             self.mparams = pack_megakernel(base, self.params)
         self.params = None
         super().__post_init__()
-        ring = RingFamily(base, act_dtype)
-        self._prefill = jax.jit(partial(prefill_program, ring, self.cfg), donate_argnums=(1, 2))
+        self.jit_prefills(RingFamily(base, act_dtype))  # prefill (and scoring) over the rings
         self._pallas: dict[int, Any] = {}
 
     def prefill_params(self) -> Any:

@@ -13,11 +13,11 @@ import numpy as np
 
 from kernels.kv_cache import KVPool
 from kernels.programs import Program, ProgramCache, abstract, is_abstract
-from kernels.xla_step import decode_program, pick, prefill_program
-from megaserve.runner.base import Runner
+from kernels.xla_step import decode_program, pick, prefill_logprobs_program, prefill_program
+from megaserve.runner.base import PositionLogprobs, Runner
 from megaserve.runner.batch import TokenBatch
 from megaserve.runner.buckets import StepConfig, bucket
-from megaserve.sampling_params import SamplingArrays
+from megaserve.sampling_params import MAX_LOGPROBS, SamplingArrays
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class XlaRunner(Runner):
     (rows, chunk) at the full page width, and `pick` (penalized sampling from the logits)
     per batch. Penalties run as that separate small program so they do not double the
     decode and prefill sets. `megaserve.runner.warm` compiles the set before serving.
+    `logprob_programs()` (prompt log-probabilities, decode tier only) is apart from it.
     """
 
     family: ModuleType
@@ -49,9 +50,7 @@ class XlaRunner(Runner):
     def __post_init__(self):
         if not is_abstract(self.params):  # host params (LoadedModel on_device=False) move once
             self.params = jax.device_put(self.params)
-        self._prefill = jax.jit(
-            partial(prefill_program, self.family, self.cfg), donate_argnums=(1, 2)
-        )
+        self.jit_prefills(self.family)
         self._decode: dict[int, Any] = {}
         self._pick = jax.jit(pick)
         self.programs_run = ProgramCache()
@@ -60,6 +59,14 @@ class XlaRunner(Runner):
     @property
     def compiled_programs(self) -> int:
         return len(self.program_keys)
+
+    def jit_prefills(self, family: Any) -> None:
+        """The prefill programs over `family.forward` (the model's, or the megakernel's rings)."""
+        self._prefill = jax.jit(partial(prefill_program, family, self.cfg), donate_argnums=(1, 2))
+        top_k = min(MAX_LOGPROBS, self.cfg.vocab_size)
+        self._prefill_lp = jax.jit(
+            partial(prefill_logprobs_program, family, self.cfg, top_k), donate_argnums=(1, 2)
+        )
 
     # -- the program set ------------------------------------------------------------------
     def decode_fn(self, n_steps: int):
@@ -95,31 +102,46 @@ class XlaRunner(Runner):
         return Program("decode", (b, w, 1), self.decode_fn(1), args)
 
     def programs(self) -> list[Program]:
-        """Every program this runner's calls can need, as abstract programs."""
-        sc, i32 = self.step_cfg, np.int32
-        vocab, width = self.cfg.vocab_size, sc.max_pages_per_seq
+        """Every program this runner's calls can need (but `logprob_programs`), abstract."""
+        sc, i32, vocab = self.step_cfg, np.int32, self.cfg.vocab_size
         out = []
         for b in sc.batch_buckets:
             out += [self.decode_program(b, w) for w in self.decode_widths()]
-        kv = abstract(self.pool.k)
-        params = abstract(self.prefill_params())
         for b in sc.prefill_batch_buckets:
             for t in sc.token_buckets:
-                args = (
-                    params,
-                    kv,
-                    kv,
-                    _sds((b, t), i32),
-                    _sds((b, t), i32),
-                    _sds((b, width), i32),
-                    _sds((b,), i32),
-                    abstract(SamplingArrays.greedy(b).padded(b)),
-                )
-                out.append(Program("prefill", (b, t), self._prefill, args))
+                out.append(Program("prefill", (b, t), self._prefill, self._prefill_args(b, t)))
         for b in sorted(set(sc.batch_buckets) | set(sc.prefill_batch_buckets)):
             s = abstract(SamplingArrays.greedy(b).with_zero_counts(vocab).padded(b))
             args = (_sds((b, vocab), np.float32), s, _sds((b,), i32))
             out.append(Program("pick", (b,), self._pick, args))
+        return out
+
+    def _prefill_args(self, b: int, t: int) -> tuple:
+        i32, kv = np.int32, abstract(self.pool.k)
+        return (
+            abstract(self.prefill_params()),
+            kv,
+            kv,
+            _sds((b, t), i32),
+            _sds((b, t), i32),
+            _sds((b, self.step_cfg.max_pages_per_seq), i32),
+            _sds((b,), i32),
+            abstract(SamplingArrays.greedy(b).padded(b)),
+        )
+
+    @property
+    def logprob_chunk(self) -> int:
+        # One chunk length, not every token bucket: scoring requests are rare, and each
+        # program of the set is a compile at every worker start. At least a page, so a chunk
+        # recomputing prefix-cache hits (whole pages) always advances.
+        return max(self.step_cfg.token_buckets[-1], self.pool.page_size)
+
+    def logprob_programs(self) -> list[Program]:
+        """`prefill_logprobs` per prefill row bucket, at `logprob_chunk` tokens."""
+        t, out = self.logprob_chunk, []
+        for b in self.step_cfg.prefill_batch_buckets:
+            args = (*self._prefill_args(b, t), _sds((b, t), np.int32))
+            out.append(Program("prefill_logprobs", (b, t), self._prefill_lp, args))
         return out
 
     def _run(self, name: str, key: tuple, fn, *args):
@@ -146,17 +168,21 @@ class XlaRunner(Runner):
         s = sampling.padded(b)
         return np.asarray(self._run("pick", (b,), self._pick, logits, s, pos.astype(np.int32)))
 
-    def prefill(self, batch: TokenBatch, sampling: SamplingArrays) -> tuple[np.ndarray, np.ndarray]:
-        sc = self.step_cfg
-        n = batch.num_seqs
+    def _prefill_inputs(self, batch: TokenBatch, tb: int) -> tuple:
+        """(rows bucket, tokens, positions, page table, last index) padded for a prefill."""
+        sc, n = self.step_cfg, batch.num_seqs
         b = bucket(n, sc.prefill_batch_buckets, "prefill rows")
-        tb = bucket(int(batch.num_new.max()), sc.token_buckets, "prefill chunk")
         tok, pos = batch.padded(b, tb)
         last = np.zeros(b, np.int32)
         last[:n] = batch.num_new - 1
         # Prefill always takes the full page width: one program per (rows, chunk), not per
         # width too (its attention over padding pages is masked).
-        pt = batch.page_table(b, sc.max_pages_per_seq)
+        return b, tok, pos, batch.page_table(b, sc.max_pages_per_seq), last
+
+    def prefill(self, batch: TokenBatch, sampling: SamplingArrays) -> tuple[np.ndarray, np.ndarray]:
+        n = batch.num_seqs
+        tb = bucket(int(batch.num_new.max()), self.step_cfg.token_buckets, "prefill chunk")
+        b, tok, pos, pt, last = self._prefill_inputs(batch, tb)
         nxt, logits, self.pool.k, self.pool.v = self._run(
             "prefill", (b, tb), self._prefill, self.prefill_params(), self.pool.k, self.pool.v,
             tok, pos, pt, last, sampling.without_counts().padded(b),
@@ -164,6 +190,24 @@ class XlaRunner(Runner):
         if sampling.counts is not None:
             nxt = self._penalized_pick(logits, sampling, pos[np.arange(b), last] + 1)
         return np.asarray(nxt)[:n], np.asarray(logits)[:n]
+
+    def prefill_with_logprobs(
+        self, batch: TokenBatch, sampling: SamplingArrays, targets: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, PositionLogprobs]:
+        n, tb = batch.num_seqs, self.logprob_chunk
+        bucket(int(batch.num_new.max()), (tb,), "prefill chunk (with log-probabilities)")
+        b, tok, pos, pt, last = self._prefill_inputs(batch, tb)
+        tgt, _ = replace(batch, tokens=np.asarray(targets, np.int32)).padded(b, tb)
+        nxt, logits, target, top_ids, top, self.pool.k, self.pool.v = self._run(
+            "prefill_logprobs", (b, tb), self._prefill_lp, self.prefill_params(), self.pool.k,
+            self.pool.v, tok, pos, pt, last, sampling.without_counts().padded(b), tgt,
+        )  # fmt: skip
+        if sampling.counts is not None:
+            nxt = self._penalized_pick(logits, sampling, pos[np.arange(b), last] + 1)
+        scores = PositionLogprobs(
+            np.asarray(target)[:n], np.asarray(top_ids)[:n], np.asarray(top)[:n]
+        )
+        return np.asarray(nxt)[:n], np.asarray(logits)[:n], scores
 
     def decode_call(self, p: PaddedDecode, s: dict, n_steps: int):
         """One decode program call: (i32[n, B] tokens, f32[n, B, V] logits); pool updated."""

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dmegaserve/v1/generation.proto\x12\x0cmegaserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"3\n\x04\x43hat\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.megaserve.v1.ChatMessage\"\xbf\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x42\x07\n\x05_seed\"^\n\x0eStoppingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\"\xcb\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12\x32\n\x10prompt_token_ids\x18\x04 \x01(\x0b\x32\x16.megaserve.v1.TokenIdsH\x00\x12\"\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x12.megaserve.v1.ChatH\x00\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.megaserve.v1.SamplingParams\x12.\n\x08stopping\x18\x07 \x01(\x0b\x32\x1c.megaserve.v1.StoppingParams\x12\x12\n\nsession_id\x18\x08 \x01(\t\x12.\n\x08logprobs\x18\t \x01(\x0b\x32\x1c.megaserve.v1.LogprobsParamsB\x07\n\x05input\"0\n\x0eLogprobsParams\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\r\n\x05top_n\x18\x02 \x01(\x05\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"g\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12%\n\x03top\x18\x04 \x03(\x0b\x32\x18.megaserve.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xcc\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.megaserve.v1.FinishReason\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.megaserve.v1.Usage\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.megaserve.v1.TokenLogprob\"_\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\"\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x12.megaserve.v1.ChatH\x00\x42\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x13\n\x11ListModelsRequest\"o\n\x05Model\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x13\n\x0bmax_context\x18\x03 \x01(\x05\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x04 \x01(\x05\x12\x17\n\x0fprefill_workers\x18\x05 \x01(\x05\"9\n\x12ListModelsResponse\x12#\n\x06models\x18\x01 \x03(\x0b\x32\x13.megaserve.v1.Model*~\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x32\xf5\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.megaserve.v1.GenerateRequest\x1a\x1e.megaserve.v1.GenerateResponse0\x01\x12I\n\x08Tokenize\x12\x1d.megaserve.v1.TokenizeRequest\x1a\x1e.megaserve.v1.TokenizeResponse\x12O\n\nListModels\x12\x1f.megaserve.v1.ListModelsRequest\x1a .megaserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dmegaserve/v1/generation.proto\x12\x0cmegaserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"3\n\x04\x43hat\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.megaserve.v1.ChatMessage\"\xbf\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x42\x07\n\x05_seed\"^\n\x0eStoppingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\"\xcb\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12\x32\n\x10prompt_token_ids\x18\x04 \x01(\x0b\x32\x16.megaserve.v1.TokenIdsH\x00\x12\"\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x12.megaserve.v1.ChatH\x00\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.megaserve.v1.SamplingParams\x12.\n\x08stopping\x18\x07 \x01(\x0b\x32\x1c.megaserve.v1.StoppingParams\x12\x12\n\nsession_id\x18\x08 \x01(\t\x12.\n\x08logprobs\x18\t \x01(\x0b\x32\x1c.megaserve.v1.LogprobsParamsB\x07\n\x05input\"V\n\x0eLogprobsParams\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\r\n\x05top_n\x18\x02 \x01(\x05\x12\x0e\n\x06prompt\x18\x03 \x01(\x08\x12\x14\n\x0cprompt_top_n\x18\x04 \x01(\x05\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"g\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12%\n\x03top\x18\x04 \x03(\x0b\x32\x18.megaserve.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x81\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.megaserve.v1.FinishReason\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.megaserve.v1.Usage\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.megaserve.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1a.megaserve.v1.TokenLogprob\"_\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\"\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x12.megaserve.v1.ChatH\x00\x42\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x13\n\x11ListModelsRequest\"o\n\x05Model\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x13\n\x0bmax_context\x18\x03 \x01(\x05\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x04 \x01(\x05\x12\x17\n\x0fprefill_workers\x18\x05 \x01(\x05\"9\n\x12ListModelsResponse\x12#\n\x06models\x18\x01 \x03(\x0b\x32\x13.megaserve.v1.Model*~\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x32\xf5\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.megaserve.v1.GenerateRequest\x1a\x1e.megaserve.v1.GenerateResponse0\x01\x12I\n\x08Tokenize\x12\x1d.megaserve.v1.TokenizeRequest\x1a\x1e.megaserve.v1.TokenizeResponse\x12O\n\nListModels\x12\x1f.megaserve.v1.ListModelsRequest\x1a .megaserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'megaserve.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1648
-  _globals['_FINISHREASON']._serialized_end=1774
+  _globals['_FINISHREASON']._serialized_start=1739
+  _globals['_FINISHREASON']._serialized_end=1865
   _globals['_TOKENIDS']._serialized_start=47
   _globals['_TOKENIDS']._serialized_end=70
   _globals['_CHATMESSAGE']._serialized_start=72
@@ -46,25 +46,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=462
   _globals['_GENERATEREQUEST']._serialized_end=793
   _globals['_LOGPROBSPARAMS']._serialized_start=795
-  _globals['_LOGPROBSPARAMS']._serialized_end=843
-  _globals['_TOPLOGPROB']._serialized_start=845
-  _globals['_TOPLOGPROB']._serialized_end=907
-  _globals['_TOKENLOGPROB']._serialized_start=909
-  _globals['_TOKENLOGPROB']._serialized_end=1012
-  _globals['_USAGE']._serialized_start=1014
-  _globals['_USAGE']._serialized_end=1094
-  _globals['_GENERATERESPONSE']._serialized_start=1097
-  _globals['_GENERATERESPONSE']._serialized_end=1301
-  _globals['_TOKENIZEREQUEST']._serialized_start=1303
-  _globals['_TOKENIZEREQUEST']._serialized_end=1398
-  _globals['_TOKENIZERESPONSE']._serialized_start=1400
-  _globals['_TOKENIZERESPONSE']._serialized_end=1453
-  _globals['_LISTMODELSREQUEST']._serialized_start=1455
-  _globals['_LISTMODELSREQUEST']._serialized_end=1474
-  _globals['_MODEL']._serialized_start=1476
-  _globals['_MODEL']._serialized_end=1587
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1589
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1646
-  _globals['_GENERATION']._serialized_start=1777
-  _globals['_GENERATION']._serialized_end=2022
+  _globals['_LOGPROBSPARAMS']._serialized_end=881
+  _globals['_TOPLOGPROB']._serialized_start=883
+  _globals['_TOPLOGPROB']._serialized_end=945
+  _globals['_TOKENLOGPROB']._serialized_start=947
+  _globals['_TOKENLOGPROB']._serialized_end=1050
+  _globals['_USAGE']._serialized_start=1052
+  _globals['_USAGE']._serialized_end=1132
+  _globals['_GENERATERESPONSE']._serialized_start=1135
+  _globals['_GENERATERESPONSE']._serialized_end=1392
+  _globals['_TOKENIZEREQUEST']._serialized_start=1394
+  _globals['_TOKENIZEREQUEST']._serialized_end=1489
+  _globals['_TOKENIZERESPONSE']._serialized_start=1491
+  _globals['_TOKENIZERESPONSE']._serialized_end=1544
+  _globals['_LISTMODELSREQUEST']._serialized_start=1546
+  _globals['_LISTMODELSREQUEST']._serialized_end=1565
+  _globals['_MODEL']._serialized_start=1567
+  _globals['_MODEL']._serialized_end=1678
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1680
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1737
+  _globals['_GENERATION']._serialized_start=1868
+  _globals['_GENERATION']._serialized_end=2113
 # @@protoc_insertion_point(module_scope)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from megaserve.worker_args import positive_int
+from megaserve_app.bench.router_cli import add_router
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -75,25 +76,7 @@ def add_bench(sub) -> None:
     dg.add_argument("--raw-only", action="store_true", help="only the transport GB/s rows")
     dg.add_argument("--json-out")
     dg.set_defaults(func=cmd_bench_disagg)
-    rt = bsub.add_parser(
-        "router", help="policies on a shared-prefix workload; router overhead and throughput"
-    )
-    rt.add_argument("--checkpoint", default="smollm2")
-    rt.add_argument(
-        "--policies", default="round_robin,least_loaded,power_of_two,kv_aware,session_affinity"
-    )
-    rt.add_argument("--decode-workers", type=int, default=2)
-    rt.add_argument("--prefill-workers", type=int, default=0)
-    rt.add_argument("--systems", type=int, default=8, help="distinct long system prompts")
-    rt.add_argument("--users", type=int, default=8, help="users per system prompt")
-    rt.add_argument("--system-tokens", type=int, default=192)
-    rt.add_argument("--user-tokens", type=int, default=24)
-    rt.add_argument("--max-tokens", type=int, default=8)
-    rt.add_argument("--concurrency", type=int, default=8)
-    rt.add_argument("--kv-budget-mb", type=int, default=64)
-    rt.add_argument("--skip-overhead", action="store_true")
-    rt.add_argument("--json-out")
-    rt.set_defaults(func=cmd_bench_router)
+    add_router(bsub)
     se = bsub.add_parser(
         "serve", help="closed-loop service load: disaggregated vs colocated through the router"
     )
@@ -170,8 +153,12 @@ def cmd_bench_decode(a: argparse.Namespace) -> int:
 
     from megaserve.checkpoint import resolve_checkpoint_path
     from megaserve.model import LoadedModel
-    from megaserve_app.bench import summary
-    from megaserve_app.bench.decode import bench_ours, measure_read_bandwidth
+    from megaserve_app.bench.decode import (
+        bench_ours,
+        markdown_table,
+        measure_read_bandwidth,
+        with_peers,
+    )
 
     batches = [int(b) for b in a.batch.split(",")]
     dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16}[a.dtype]
@@ -180,25 +167,16 @@ def cmd_bench_decode(a: argparse.Namespace) -> int:
     print(
         f"read bandwidth: {bw / 1e9:.1f} GB/s (jitted sum over 1 GiB, best of 5)", file=sys.stderr
     )
-    rows = [
-        bench_ours(
-            model, b, a.context, a.steps, a.warmup, bw, steps_per_call=a.steps_per_call
-        ).as_dict()
+    ours = [
+        bench_ours(model, b, a.context, a.steps, a.warmup, bw, steps_per_call=a.steps_per_call)
         for b in batches
     ]
-    ours = {r["batch"]: r for r in rows}
+    # The peers time the same number of steps after the same warm-up.
     peer_args = ["--batch", a.batch, "--context", str(a.context), "--steps", str(a.steps)]
     peer_args += ["--warmup", str(a.warmup)]
-    for r in _peer_rows(a, resolve_checkpoint_path(a.checkpoint), "decode", peer_args):
-        if "ms_per_step" in r and r["batch"] in ours:
-            nbytes = ours[r["batch"]]["bytes_per_step"]
-            # Quantized weights read fewer bytes than ours; only same-precision rows share a floor.
-            if r.get("precision") == ours[r["batch"]]["precision"]:
-                r["bytes_per_step"] = nbytes
-                r["floor_ms"] = summary.floor_ms(nbytes, bw)
-                r["floor_fraction"] = summary.floor_fraction(r["floor_ms"], r["ms_per_step"])
-        rows.append(r)
-    _print_table(rows, bw)
+    peers = _peer_rows(a, resolve_checkpoint_path(a.checkpoint), "decode", peer_args)
+    rows = with_peers(ours, peers, bw)
+    print(markdown_table(rows, bw, a.warmup))
     if a.json_out:
         Path(a.json_out).write_text(json.dumps({"bandwidth_Bps": bw, "rows": rows}, indent=1))
     return 0
@@ -210,29 +188,8 @@ def cmd_bench_prefill(a: argparse.Namespace) -> int:
     return run(a, _peer_rows)
 
 
-def _print_table(rows: list[dict], bw: float) -> None:
-    print(f"# decode benchmark; read bandwidth {bw / 1e9:.1f} GB/s")
-    print(
-        f"{'engine':<16}{'prec':<6}{'batch':>6}{'ctx':>6}{'ms/step':>10}{'tok/s':>10}"
-        f"{'MB/step':>9}{'floor ms':>10}{'of floor':>9}"
-    )
-    for r in rows:
-        if "error" in r:
-            print(
-                f"{r['engine']:<16}{r.get('precision', ''):<6}{r['batch']:>6}  error: "
-                f"{r['error'][:60]}"
-            )
-            continue
-        mb = f"{r['bytes_per_step'] / 1e6:.0f}" if "bytes_per_step" in r else "-"
-        fl = f"{r['floor_ms']:.1f}" if "floor_ms" in r else "-"
-        fr = f"{100 * r['floor_fraction']:.0f}%" if "floor_fraction" in r else "-"
-        print(
-            f"{r['engine']:<16}{r['precision']:<6}{r['batch']:>6}{r['context']:>6}"
-            f"{r['ms_per_step']:>10.1f}{r['tokens_per_s']:>10.1f}{mb:>9}{fl:>10}{fr:>9}"
-        )
-
-
 def cmd_bench_moe(a: argparse.Namespace) -> int:
+    from megaserve_app.bench import summary
     from megaserve_app.bench.decode import measure_read_bandwidth
     from megaserve_app.bench.moe import bench_moe, random_moe_model
 
@@ -248,12 +205,14 @@ def cmd_bench_moe(a: argparse.Namespace) -> int:
         f"read bandwidth {bw / 1e9:.1f} GB/s"
     )
     print(
-        f"{'engine':<26}{'batch':>6}{'ms/step':>9}{'tok/s':>8}{'dense MB':>9}{'expert MB':>10}"
-        f"{'KV MB':>7}{'experts/layer':>14}{'of floor':>9}"
+        f"{'engine':<26}{'batch':>6}{'ms/step median [min-max]':>26}{'tok/s':>8}"
+        f"{'dense MB':>9}{'expert MB':>10}{'KV MB':>7}{'experts/layer':>14}{'of floor':>9}"
     )
     for r in rows:
         print(
-            f"{r['engine']:<26}{r['batch']:>6}{r['ms_per_step']:>9.1f}{r['tokens_per_s']:>8.1f}"
+            f"{r['engine']:<26}{r['batch']:>6}"
+            f"{summary.spread_text(r['ms_per_step'], r['ms_min'], r['ms_max']):>26}"
+            f"{r['tokens_per_s']:>8.1f}"
             f"{r['dense_bytes'] / 1e6:>9.1f}{r['expert_bytes_read'] / 1e6:>10.1f}"
             f"{r['kv_bytes'] / 1e6:>7.1f}{r['distinct_experts_per_layer']:>14.1f}"
             f"{100 * r['floor_fraction']:>8.0f}%"
@@ -281,11 +240,11 @@ def cmd_bench_server(a: argparse.Namespace) -> int:
         # The same step in-process, at the context the streams average mid-generation.
         ctx = a.prompt_len + a.new_tokens // 2
         ref = bench_ours(model, c, ctx, steps=8, warmup=2, bandwidth=1e12)
-        r["inproc_tokens_per_s"] = ref.tokens_per_s
-        r["ratio"] = r["decode_tokens_per_s"] / ref.tokens_per_s
+        r["inproc_tokens_per_s"] = ref["tokens_per_s"]
+        r["ratio"] = r["decode_tokens_per_s"] / ref["tokens_per_s"]
         rows.append(r)
         print(
-            f"{c:>5}{r['decode_tokens_per_s']:>13.1f}{ref.tokens_per_s:>14.1f}"
+            f"{c:>5}{r['decode_tokens_per_s']:>13.1f}{ref['tokens_per_s']:>14.1f}"
             f"{r['ratio']:>7.2f}{r['itl_p50_ms']:>9.1f}{r['itl_p99_ms']:>9.1f}"
             f"{r['ttft_p50_ms']:>10.1f}"
         )
@@ -304,60 +263,46 @@ def cmd_bench_server(a: argparse.Namespace) -> int:
 def cmd_bench_disagg(a: argparse.Namespace) -> int:
     from megaserve.logs import configure
     from megaserve.model import LoadedModel
+    from megaserve_app.bench import summary
     from megaserve_app.bench.disagg import bench_disagg, bench_raw_transfer
 
     configure("warning")
     model = LoadedModel.load(a.checkpoint, progress=False)
     lengths = tuple(int(x) for x in a.lengths.split(","))
     rows = [] if a.raw_only else bench_disagg(model, lengths)
-    print("# hand-off per prompt, ms; transfer = first chunk sent .. commit (overlaps compute)")
+    print(
+        "# hand-off per prompt, ms; transfer = first chunk sent .. commit (overlaps compute); "
+        "tail = transfer after compute ended; hidden = 1 - tail / raw push of the same bytes"
+    )
     print(
         f"{'transport':<14}{'prompt':>7}{'MB':>7}{'reserve':>9}{'compute':>9}{'transfer':>9}"
-        f"{'hidden':>8}{'1st tok':>9}{'1st step':>9}"
+        f"{'tail':>8}{'raw':>8}{'hidden':>8}{'1st tok':>9}{'1st step':>9}"
     )
     for r in rows:
         print(
             f"{r['transport']:<14}{r['prompt']:>7}{r['bytes'] / 1e6:>7.1f}"
             f"{r['reserve_ms']:>9.1f}{r['prefill_compute_ms']:>9.1f}{r['transfer_ms']:>9.1f}"
+            f"{r['transfer_tail_ms']:>8.1f}{r['raw_push_ms']:>8.1f}"
             f"{100 * r['hidden_fraction']:>7.0f}%{r['first_token_ms']:>9.1f}"
             f"{r['first_decode_step_ms']:>9.1f}"
         )
     raw = bench_raw_transfer(model, max(lengths))
-    print("# KV transfer alone: pre-made pages into a reservation (validate + commit included)")
+    print(
+        "# KV transfer alone: pre-made pages into a reservation (checksums, staging and the "
+        "commit into the pool included) vs a bare gRPC bytes stream of the same message "
+        "sizes; median [min-max] ms of the interleaved rounds after a warm-up, GB/s of the median"
+    )
     for r in raw:
+        ceiling = f"  {100 * r['of_ceiling']:5.1f}% of bare" if "of_ceiling" in r else ""
         print(
-            f"{r['transport']:<14}{r['bytes'] / 1e6:>8.1f} MB {1000 * r['seconds']:>8.1f} ms "
-            f"{r['GBps']:>6.2f} GB/s  memcpy {r['memcpy_GBps']:.1f} GB/s  ratio {r['ratio']:.3f}"
+            f"{r['transport']:<17}{r['bytes'] / 1e6:>6.1f} MB "
+            f"{summary.spread_text(r['ms'], r['ms_min'], r['ms_max'])} ms ({r['runs']} runs) "
+            f"{r['GBps']:>5.2f} GB/s{ceiling}  memcpy {r['memcpy_GBps']:.1f} GB/s "
+            f"({r['ratio']:.3f})"
         )
     rows = {"handoff": rows, "raw": raw}
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(rows, indent=1))
-    return 0
-
-
-def cmd_bench_router(a) -> int:
-    from megaserve_app.bench.router import Workload, bench_overhead, bench_policies
-
-    wl = Workload(a.systems, a.users, a.system_tokens, a.user_tokens, a.max_tokens, a.concurrency)
-    worker_args = ("--kv-budget-mb", str(a.kv_budget_mb))
-    print(
-        f"shared-prefix workload: {a.systems} system prompts x {a.users} users, "
-        f"{a.system_tokens}+{a.user_tokens} prompt tokens, {a.max_tokens} new tokens, "
-        f"concurrency {a.concurrency}, {a.decode_workers} decode workers"
-    )
-    rows = bench_policies(
-        a.checkpoint,
-        a.policies.split(","),
-        wl,
-        a.decode_workers,
-        a.prefill_workers,
-        worker_args,
-    )
-    out = {"policies": rows}
-    if not a.skip_overhead:
-        out["overhead"] = bench_overhead(a.checkpoint, worker_args=worker_args)
-    if a.json_out:
-        Path(a.json_out).write_text(json.dumps(out, indent=2))
     return 0
 
 

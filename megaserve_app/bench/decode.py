@@ -1,10 +1,10 @@
-"""Decode-step benchmark: ms/step and the fraction of the memory-bandwidth floor reached."""
+"""Decode-step benchmark: ms/step of ours and the peers' steps, one statistic for all (the
+median [min-max] of the timed steps), and the fraction of the memory-bandwidth floor reached."""
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
 
 import jax
 import jax.numpy as jnp
@@ -18,21 +18,7 @@ from megaserve.runner.xla import XlaRunner
 from megaserve.sampling_params import SamplingArrays
 from megaserve_app.bench import summary
 
-
-@dataclass(frozen=True)
-class DecodeRow:
-    engine: str
-    precision: str
-    batch: int
-    context: int
-    ms_per_step: float
-    tokens_per_s: float
-    bytes_per_step: int
-    floor_ms: float
-    floor_fraction: float
-
-    def as_dict(self) -> dict:
-        return asdict(self)
+ENGINE = "megaserve-xla"
 
 
 def measure_read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
@@ -73,9 +59,10 @@ def time_decode(
     warmup: int,
     page_size: int = 16,
     steps_per_call: int = 1,
-) -> tuple[float, int]:
-    """Median ms per decode step at `context` tokens of KV per sequence (contents don't
-    matter), and the KV dtype's itemsize; `cfg` may override the model's (e.g. moe_impl)."""
+) -> tuple[list[float], int]:
+    """Seconds per decode step of each timed call (a call runs `steps_per_call` steps) at
+    `context` tokens of KV per sequence (contents don't matter), after `warmup` untimed calls,
+    and the KV dtype's itemsize; `cfg` may override the model's (e.g. moe_impl)."""
     pages = math.ceil((context + steps_per_call * (steps + warmup) + 1) / page_size)
     pool = KVPool.create(
         cfg.num_layers,
@@ -104,7 +91,24 @@ def time_decode(
         tokens, pos = toks[-1], pos + steps_per_call
         if i >= warmup:
             times.append(dt / steps_per_call)
-    return summary.median_ms(times), pool.k.dtype.itemsize
+    return times, pool.k.dtype.itemsize
+
+
+def decode_row(raw: dict, bytes_per_step: int | None, bandwidth: float) -> dict:
+    """Any engine's row from its timed steps (`times_s`, seconds each): ms/step as the median
+    [min-max] of the steps, tokens/s of the median and, when the bytes a step must move are
+    known, the bandwidth floor and the fraction of it reached. Error rows pass through."""
+    row = {k: raw[k] for k in ("engine", "precision", "batch", "context")}
+    if "error" in raw:
+        return row | {"error": raw["error"]}
+    stats = summary.run_stats(raw["times_s"])
+    row |= stats.fields("ms_per_step")
+    row["tokens_per_s"] = summary.tokens_per_s(row["batch"], stats.median_ms)
+    if bytes_per_step is not None:
+        floor = summary.floor_ms(bytes_per_step, bandwidth)
+        row["bytes_per_step"], row["floor_ms"] = bytes_per_step, floor
+        row["floor_fraction"] = summary.floor_fraction(floor, stats.median_ms)
+    return row | {"times_s": raw["times_s"]}
 
 
 def bench_ours(
@@ -116,22 +120,51 @@ def bench_ours(
     bandwidth: float,
     page_size: int = 16,
     steps_per_call: int = 1,
-) -> DecodeRow:
-    """Our decode step's ms/step against the bandwidth floor."""
-    ms, itemsize = time_decode(
+) -> dict:
+    """Our decode step's row (`decode_row`) against the bandwidth floor."""
+    times, itemsize = time_decode(
         model, model.cfg, batch, context, steps, warmup, page_size, steps_per_call
     )
-    nbytes = step_bytes(model, batch, context, itemsize)
-    floor_ms = summary.floor_ms(nbytes, bandwidth)
     prec = {"float32": "f32", "bfloat16": "bf16"}[str(model.params["embed"].dtype)]
-    return DecodeRow(
-        "megaserve-xla",
-        prec,
-        batch,
-        context,
-        ms,
-        summary.tokens_per_s(batch, ms),
-        nbytes,
-        floor_ms,
-        summary.floor_fraction(floor_ms, ms),
+    raw = {"engine": ENGINE, "precision": prec, "batch": batch, "context": context}
+    return decode_row(
+        raw | {"times_s": times}, step_bytes(model, batch, context, itemsize), bandwidth
     )
+
+
+def with_peers(ours: list[dict], peers: list[dict], bandwidth: float) -> list[dict]:
+    """Our rows, then the peers' raw rows through `decode_row`. A peer shares our floor only
+    at our batch and precision: quantized weights move fewer bytes than ours."""
+    by_batch = {r["batch"]: r for r in ours}
+    rows = list(ours)
+    for raw in peers:
+        mine = by_batch.get(raw["batch"])
+        same = mine is not None and mine["precision"] == raw["precision"]
+        rows.append(decode_row(raw, mine["bytes_per_step"] if same else None, bandwidth))
+    return rows
+
+
+def markdown_table(rows: list[dict], bandwidth: float, warmup: int) -> str:
+    """The rows as a markdown table under a line naming the bandwidth and the statistic."""
+    lines = [
+        f"# decode; read bandwidth {bandwidth / 1e9:.1f} GB/s; {warmup} warm-up steps, then "
+        "ms/step = median [min-max] of the timed steps, tok/s of the median",
+        "",
+        "| engine | precision | batch | ctx | ms/step median [min-max] | steps | tok/s "
+        "| MB/step | floor ms | of floor |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        head = f"| {r['engine']} | {r['precision']} | {r['batch']} | {r['context']} |"
+        if "error" in r:
+            lines.append(f"{head} {r['error'][:80]} | - | - | - | - | - |")
+            continue
+        spread = summary.spread_text(r["ms_per_step"], r["ms_min"], r["ms_max"])
+        floor = "- | - | -"
+        if "floor_ms" in r:
+            floor = (
+                f"{r['bytes_per_step'] / 1e6:.0f} | {r['floor_ms']:.1f} | "
+                f"{100 * r['floor_fraction']:.0f}%"
+            )
+        lines.append(f"{head} {spread} | {r['runs']} | {r['tokens_per_s']:.1f} | {floor} |")
+    return "\n".join(lines)

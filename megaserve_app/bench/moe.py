@@ -118,7 +118,9 @@ def bench_moe(
     impl: str = "auto",
 ) -> dict:
     cfg = dataclasses.replace(model.cfg, moe_impl=impl)
-    ms, _ = time_decode(model, cfg, batch, context, steps, warmup)
+    times, _ = time_decode(model, cfg, batch, context, steps, warmup)
+    stats = summary.run_stats(times)  # every decode bench's statistic
+    ms = stats.median_ms
     p = model.params
     expert_keys = ("w_gate_up", "w_down")
     dense = sum(int(a.nbytes) for lp in p["layers"] for k, a in lp.items() if k not in expert_keys)
@@ -136,7 +138,7 @@ def bench_moe(
         "precision": "f32",
         "batch": batch,
         "context": context,
-        "ms_per_step": ms,
+        **stats.fields("ms_per_step"),
         "tokens_per_s": summary.tokens_per_s(batch, ms),
         "dense_bytes": dense,
         "expert_bytes_read": experts_read,

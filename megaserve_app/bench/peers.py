@@ -5,8 +5,9 @@ Why this is long: it runs alone, as a script, in the Python 3.11 reference envir
 conversion, both peers' measurement loops and the one-process-per-row orchestration share
 this file instead of importing each other.
 
-Prefill rows carry the raw seconds of each timed run (`times_s`), not a summary: the caller
-(`megaserve_app/bench/prefill.py`) summarizes them with the same function as its own runs.
+Rows carry the raw seconds of each timed run (`times_s`: a whole prefill, or one decode step;
+warm-up runs left out), not a summary: the caller (`megaserve_app/bench/prefill.py`,
+`decode.py`) summarizes them with the same function as its own runs (`summary.run_stats`).
 """
 
 from __future__ import annotations
@@ -113,20 +114,6 @@ def make_full_precision(src: Path, dst: Path, dtype: str) -> None:
 # --------------------------------------------------------------------------- measurement
 
 
-def summarize(spec: dict, times_s: list[float], engine: str) -> dict:
-    timed = times_s[spec["warmup"] :]
-    ms = 1000.0 * sum(timed) / len(timed)
-    return {
-        "engine": engine,
-        "precision": spec["precision"],
-        "batch": spec["batch"],
-        "context": spec["context"],
-        "ms_per_step": round(ms, 3),
-        "tokens_per_s": round(spec["batch"] * 1000.0 / ms, 2),
-        "steps": len(timed),
-    }
-
-
 def random_ids(batch: int, length: int, vocab: int):
     import numpy as np
 
@@ -173,7 +160,12 @@ def hf_row(spec: dict) -> dict:
             t0 = time.perf_counter()
             tok, past = hf_step(model, tok, past)
             times.append(time.perf_counter() - t0)
-    return summarize(spec, times, HF_ENGINE)
+    return decode_result(spec, times, HF_ENGINE)
+
+
+def decode_result(spec: dict, times_s: list[float], engine: str) -> dict:
+    """Per-step seconds of `warmup` + `steps` decode steps: the timed ones, as a raw row."""
+    return raw_result(spec, times_s[spec["warmup"] :], engine)
 
 
 def timed_runs(spec: dict, run) -> list[float]:
@@ -188,7 +180,8 @@ def timed_runs(spec: dict, run) -> list[float]:
     return times
 
 
-def prefill_result(spec: dict, times_s: list[float], engine: str) -> dict:
+def raw_result(spec: dict, times_s: list[float], engine: str) -> dict:
+    """A row of timed seconds for the caller to summarize."""
     return {
         "engine": engine,
         "precision": spec["precision"],
@@ -208,7 +201,7 @@ def hf_prefill_row(spec: dict) -> dict:
     ids = torch.from_numpy(random_ids(spec["batch"], spec["context"], model.config.vocab_size))
     with torch.inference_mode():
         times = timed_runs(spec, lambda: hf_step(model, ids, None))
-    return prefill_result(spec, times, HF_ENGINE)
+    return raw_result(spec, times, HF_ENGINE)
 
 
 def n_ctx_per_seq(spec: dict) -> int:
@@ -247,7 +240,7 @@ def llama_b1_row(spec: dict) -> dict:
         tok = int(llama_argmax(llm.ctx, 1, vocab)[0])
         times.append(time.perf_counter() - t0)
     llm.close()
-    return summarize(spec, times, LLAMA_ENGINE)
+    return decode_result(spec, times, LLAMA_ENGINE)
 
 
 def llama_context_params(spec: dict, n_batch: int):
@@ -350,7 +343,7 @@ def llama_prefill_row(spec: dict) -> dict:
 
     times = timed_runs(spec, run)
     ll.close()
-    return prefill_result(spec, times, LLAMA_ENGINE)
+    return raw_result(spec, times, LLAMA_ENGINE)
 
 
 def llama_batched_row(spec: dict) -> dict:
@@ -368,7 +361,7 @@ def llama_batched_row(spec: dict) -> dict:
         toks = llama_argmax(ll.ctx, batch, ll.vocab)
         times.append(time.perf_counter() - t0)
     ll.close()
-    return summarize(spec, times, LLAMA_ENGINE)
+    return decode_result(spec, times, LLAMA_ENGINE)
 
 
 def measure(spec: dict) -> dict:

@@ -9,8 +9,9 @@ them. A plain f32 GEMM (jax, [M, K] x [K, N]) timed in the same process is the y
 
 Every engine gets the same statistic: `warmup` untimed runs (they compile), then `runs` timed
 ones; `row_stats` turns each engine's run seconds (the peers send theirs raw) into ms per
-prompt = one run's wall time / B, as the median and the min-max spread of the runs, and the
-tokens/s and GFLOP/s of that median.
+prompt = one run's wall time / B, as the median and the min-max spread of the runs
+(`summary.run_stats`, the statistic `megaserve bench decode` uses too), and the tokens/s and
+GFLOP/s of that median.
 
 FLOPs are model FLOPs, counted the same way for every engine, so GFLOP/s compares engines
 (and the GEMM), not what each engine happens to execute:
@@ -99,13 +100,14 @@ def time_gemm(shape: tuple[int, int, int], runs: int = GEMM_RUNS) -> dict:
         f(a, b).block_until_ready()
         times.append(time.perf_counter() - t)
     flops = 2 * m * k * n
+    stats = summary.run_stats(times)
     return {
         "shape": [m, k, n],
         "flops": flops,
         "times_s": times,
-        "gflops": flops / summary.median_ms(times) / 1e6,
-        "gflops_min": flops / max(times) / 1e9,
-        "gflops_max": flops / min(times) / 1e9,
+        "gflops": flops / stats.median_ms / 1e6,
+        "gflops_min": flops / stats.max_ms / 1e6,
+        "gflops_max": flops / stats.min_ms / 1e6,
     }
 
 
@@ -116,15 +118,12 @@ def row_stats(raw: dict, cfg, gemm_gflops: float) -> dict:
     row = {k: raw[k] for k in ("engine", "precision")} | {"length": length, "batch": batch}
     if "error" in raw:
         return row | {"error": raw["error"]}
-    per_prompt = [1000 * t / batch for t in raw["times_s"]]
-    ms = summary.median_ms(raw["times_s"]) / batch
+    stats = summary.run_stats(raw["times_s"], per=batch)
+    ms = stats.median_ms
     flops = prefill_flops(cfg, length)
     gflops = flops / ms / 1e6
+    row |= stats.fields("ms_per_prompt")
     return row | {
-        "ms_per_prompt": ms,
-        "ms_min": min(per_prompt),
-        "ms_max": max(per_prompt),
-        "runs": len(per_prompt),
         "tokens_per_s": summary.tokens_per_s(length, ms),
         "flops_per_prompt": flops,
         "gflops": gflops,
@@ -253,7 +252,7 @@ def markdown_table(out: dict) -> str:
             lines.append(f"{head} {r['error'][:80]} | - | - | - |")
             continue
         lines.append(
-            f"{head} {r['ms_per_prompt']:.1f} [{r['ms_min']:.1f}-{r['ms_max']:.1f}] | "
+            f"{head} {summary.spread_text(r['ms_per_prompt'], r['ms_min'], r['ms_max'])} | "
             f"{r['tokens_per_s']:.1f} | {r['gflops']:.1f} | {100 * r['gemm_fraction']:.0f}% |"
         )
     return "\n".join(lines)

@@ -1,8 +1,11 @@
 """The benchmarks' summary arithmetic as pure functions of measured numbers and timestamps
-(unit-tested on synthetic ones): bandwidth floors, KV hand-off splits, inter-token latency,
-steady-state throughput, percentiles and goodput. Measuring stays in the benchmarks."""
+(unit-tested on synthetic ones): timed-run statistics, bandwidth floors, KV hand-off splits,
+inter-token latency, steady-state throughput, percentiles and goodput. Measuring stays in the
+benchmarks."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 
@@ -12,6 +15,41 @@ import numpy as np
 def percentile(xs, q) -> float:
     """numpy's (linearly interpolated) q-th percentile; NaN for no samples."""
     return float(np.percentile(xs, q)) if xs else float("nan")
+
+
+# -- timed runs: the one statistic of every engine in every bench ---------------------------
+
+
+class RunStats(NamedTuple):
+    """N timed runs of one measurement, in ms: their median and their min-max spread."""
+
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    runs: int
+
+    def fields(self, median_key: str) -> dict:
+        """A row's columns: the median under `median_key`, then ms_min, ms_max, runs."""
+        return {
+            median_key: self.median_ms,
+            "ms_min": self.min_ms,
+            "ms_max": self.max_ms,
+            "runs": self.runs,
+        }
+
+
+def run_stats(seconds: list[float], per: int = 1) -> RunStats:
+    """Median and min-max of timed runs given in seconds, each run's time divided by `per`
+    (the prompts or steps one run covers), in ms. Throughputs are taken of the median."""
+    if not seconds:
+        raise ValueError("no timed runs")
+    ms = [1000 * s / per for s in seconds]
+    return RunStats(float(np.median(ms)), min(ms), max(ms), len(ms))
+
+
+def spread_text(median: float, lo: float, hi: float) -> str:
+    """How every bench table shows a RunStats: `median [min-max]`, 0.1 ms."""
+    return f"{median:.1f} [{lo:.1f}-{hi:.1f}]"
 
 
 # -- decode step vs the memory-bandwidth floor -----------------------------------------------
@@ -32,23 +70,23 @@ def tokens_per_s(batch: int, ms_per_step: float) -> float:
     return batch * 1000 / ms_per_step
 
 
-def median_ms(seconds: list[float]) -> float:
-    """The median of timed steps (seconds), in ms."""
-    return 1000 * float(np.median(seconds))
-
-
 # -- disaggregated hand-off ------------------------------------------------------------------
 
 
 def transfer_tail_ms(first_chunk_sent_ms: float, transfer_ms: float, compute_ms: float) -> float:
-    """The part of a KV transfer not hidden behind prefill compute: how long it ran on after
-    compute ended (all three measured from the start of compute)."""
+    """The exposed tail of a KV transfer: how long it ran on after the prefill compute ended
+    (all three measured from the start of compute)."""
     return max(0.0, first_chunk_sent_ms + transfer_ms - compute_ms)
 
 
-def hidden_fraction(tail_ms: float, transfer_ms: float) -> float:
-    """Share of the transfer that overlapped compute (1.0 for an empty transfer)."""
-    return 1 - tail_ms / transfer_ms if transfer_ms else 1.0
+def hidden_fraction(tail_ms: float, raw_push_ms: float) -> float:
+    """Share of the transfer hidden behind compute: 1 - exposed tail / what pushing the same
+    bytes costs alone (a raw push, measured in the same run), in [0, 1]; 1.0 when nothing
+    is sent. Not tail / transfer span: the span runs from the first chunk to the commit, so
+    it grows with the compute and the share would tend to 100% for any long prompt."""
+    if raw_push_ms <= 0:
+        return 1.0
+    return min(1.0, max(0.0, 1 - tail_ms / raw_push_ms))
 
 
 def handoff_row(
@@ -61,10 +99,11 @@ def handoff_row(
     t1: float,
     t2: float,
     stamps: list[float],
+    raw_push_ms: float,
 ) -> dict:
     """One hand-off: Reserve sent at t0 (s), answered at t1, Prefill answered at t2; the
     prefill worker's own compute/transfer figures (ms); `stamps`: the first two tokens'
-    arrival times (s)."""
+    arrival times (s); `raw_push_ms`: a raw push of the same bytes alone (same run)."""
     tail = transfer_tail_ms(first_chunk_sent_ms, transfer_ms, compute_ms)
     return {
         "prompt": prompt_len,
@@ -73,7 +112,8 @@ def handoff_row(
         "prefill_compute_ms": compute_ms,
         "transfer_ms": transfer_ms,
         "transfer_tail_ms": tail,
-        "hidden_fraction": hidden_fraction(tail, transfer_ms),
+        "raw_push_ms": raw_push_ms,
+        "hidden_fraction": hidden_fraction(tail, raw_push_ms),
         "prefill_rpc_ms": 1000 * (t2 - t1),
         "first_token_ms": 1000 * (stamps[0] - t0),
         "first_decode_step_ms": 1000 * (stamps[1] - stamps[0]),
@@ -81,17 +121,30 @@ def handoff_row(
     }
 
 
-def raw_transfer_row(transport: str, nbytes: int, seconds: float, memcpy_gbps: float) -> dict:
-    """A transport's best push of `nbytes` in `seconds` against a plain memcpy's GB/s."""
-    gbps = nbytes / seconds / 1e9
-    return {
+def raw_transfer_row(
+    transport: str,
+    nbytes: int,
+    seconds: list[float],
+    memcpy_gbps: float,
+    ceiling_gbps: float | None = None,
+) -> dict:
+    """A transport's timed pushes of `nbytes` (`seconds`, after warm-up) as median [min-max]
+    ms, and the median's GB/s against a plain memcpy's and against a bare gRPC stream's
+    (the ceiling, when measured)."""
+    st = run_stats(seconds)
+    gbps = nbytes / st.median_ms / 1e6
+    row = {
         "transport": transport,
         "bytes": nbytes,
-        "seconds": seconds,
+        **st.fields("ms"),
         "GBps": gbps,
         "memcpy_GBps": memcpy_gbps,
         "ratio": gbps / memcpy_gbps,
     }
+    if ceiling_gbps:
+        row["ceiling_GBps"] = ceiling_gbps
+        row["of_ceiling"] = gbps / ceiling_gbps
+    return row
 
 
 # -- streams: TTFT, inter-token latency, steady-state throughput -----------------------------
