@@ -41,7 +41,13 @@ def add_arguments(p) -> None:
     add_common_arguments(p, max_context=2048)
     p.add_argument("--max-running", type=int, default=64)
     p.add_argument("--max-waiting", type=int, default=256)
-    p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=256,
+        help="token budget of one iteration's prefill call, padding included, split over "
+        "pieces of several prompts beside the decode step",
+    )
     p.add_argument("--shutdown-grace", type=float, default=10.0)
     add_backend_argument(p)
 

@@ -75,7 +75,7 @@ class DecodeEngine(Emission, StepFailures, PrefillStep):
         sched_cfg = fit_running(self.runner, cfg.scheduler)
         # Buckets only up to what the scheduler may run: no program is built for more rows.
         self.runner.step_cfg = step_config(sched_cfg, sched_cfg.max_running, self.max_pages_per_seq)
-        self.sched = Scheduler(sched_cfg, self.alloc)
+        self.sched = Scheduler(sched_cfg, self.alloc, self.runner.step_cfg)
         # Leases run on a clock that stands still during this engine's own long steps (a
         # compile of a new shape takes tens of seconds on CPU): a lease bounds the sender's
         # delay, and the KV a stalled engine could not take yet is not the sender's fault.
@@ -302,7 +302,8 @@ class DecodeEngine(Emission, StepFailures, PrefillStep):
                 self._wake.clear()
 
     def run_once(self) -> bool:
-        """One iteration: admit, at most one prefill chunk, one decode step. True if worked."""
+        """One iteration: admit, prefill pieces of several prompts, one decode step. True if
+        worked."""
         while True:
             try:
                 self.sched.add(self._inbox.get_nowait())
@@ -315,9 +316,8 @@ class DecodeEngine(Emission, StepFailures, PrefillStep):
         plan = self.sched.plan()
         worked = False
         t0 = time.monotonic()
-        if plan.prefill is not None:
-            seq = plan.prefill
-            self._guarded([seq], self._run_prefill, seq, plan.prefill_tokens, plan.prefill_start)
+        if plan.prefill:
+            self._run_prefills(plan.prefill)
             worked = True
         decode = [s for s in plan.decode if s.request_id in self._live]  # a failed prefill
         if decode:

@@ -1,6 +1,6 @@
-"""The decode engine's prefill step, and prompt log-probabilities: each prompt token's
-log-probability given the tokens before it, scored chunk by chunk as the prompt prefills,
-prefix-cache hits included."""
+"""The decode engine's prefill step (pieces of several prompts in one call), and prompt
+log-probabilities: each prompt token's log-probability given the tokens before it, scored
+chunk by chunk as the prompt prefills, prefix-cache hits included."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from decode_service.events import TokenLogprobs, top_logprobs
+from decode_service.scheduler import PrefillPiece
 from decode_service.sequence import Sequence
 from megaserve.errors import RequestError
 from megaserve.kv.pages import pages_for_tokens
@@ -58,18 +59,48 @@ class PromptScoring:
 class PrefillStep:
     """Mixed into DecodeEngine (its runner, scheduler, allocator, config, `_scoring` map)."""
 
-    def _run_prefill(self, seq: Sequence, chunk: list[int], start: int) -> None:
-        """One prefill chunk of the plan; its last emits the first (or, after preemption,
-        the next) token."""
-        out = self._prefill_chunk(seq, chunk, start)
-        if out is None:  # prefix-cache hits were scored instead; the plan offers it again
-            return
-        nxt, logits = out
-        self.prefill_tokens += len(chunk)
-        if self.sched.prefill_done(seq, len(chunk)):
+    def _run_prefills(self, pieces: list[PrefillPiece]) -> None:
+        """The plan's prefill pieces: the plain ones in one runner call (one row each), each
+        piece still scoring its prompt's log-probabilities in a call of its own (the scoring
+        program takes one sequence, padded to `logprob_chunk`; such requests are rare).
+
+        A call that raises fails the requests of its rows only (`_guarded`; every request
+        when it lost the pool): the other calls' rows never depended on it."""
+        plain, scored = [], []
+        for p in pieces:
+            (scored if self._scores(p.seq) else plain).append(p)
+        if plain:
+            self._guarded([p.seq for p in plain], self._run_prefill, plain)
+        for p in scored:
+            if p.seq.request_id in self._live:  # not ended by a call that lost the pool
+                self._guarded([p.seq], self._run_scored_prefill, p)
+
+    def _scores(self, seq: Sequence) -> bool:
+        """Whether seq's prompt log-probabilities are still to be handed out."""
+        sc = self._scoring.get(seq.request_id)
+        return sc is not None and not sc.sent
+
+    def _run_prefill(self, pieces: list[PrefillPiece]) -> None:
+        """Plain pieces of several sequences, one row each, in one prefill call."""
+        batch = TokenBatch.from_rows([(p.tokens, p.start, p.seq.pages) for p in pieces])
+        nxt, logits = self.runner.prefill(batch, self._rows([p.seq for p in pieces]))
+        for i, p in enumerate(pieces):
+            self._piece_done(p, int(nxt[i]), logits[i])
+
+    def _run_scored_prefill(self, piece: PrefillPiece) -> None:
+        seq = piece.seq
+        out = self._scored_prefill(seq, self._scoring[seq.request_id], piece.tokens, piece.start)
+        if out is not None:  # None: prefix-cache hits were scored instead; offered again
+            self._piece_done(piece, int(out[0][0]), out[1][0])
+
+    def _piece_done(self, piece: PrefillPiece, tok: int, logits: np.ndarray) -> None:
+        """Records a computed piece; a prompt's last emits its first (or, after preemption,
+        its next) token, sampled from the piece's last position."""
+        seq = piece.seq
+        self.prefill_tokens += len(piece.tokens)
+        if self.sched.prefill_done(seq, len(piece.tokens)):
             first = not seq.output
-            tok = int(nxt[0])
-            lps = [top_logprobs(logits[0], tok, seq.logprobs)] if seq.logprobs else None
+            lps = [top_logprobs(logits, tok, seq.logprobs)] if seq.logprobs else None
             self._emit(seq, [tok], first, lps, self._prompt_entries(seq.request_id))
 
     @staticmethod
@@ -85,17 +116,6 @@ class PrefillStep:
         """The request's prompt entries, with its first token (once; None if not asked)."""
         sc = self._scoring.get(request_id)
         return None if sc is None else sc.take()
-
-    def _prefill_chunk(
-        self, seq: Sequence, chunk: list[int], start: int
-    ) -> tuple[np.ndarray, np.ndarray] | None:
-        """(next tokens, logits) of the plan's prefill chunk: the plain program, or the
-        scoring one until the request's first token is out (None: see `_scored_prefill`)."""
-        sc = self._scoring.get(seq.request_id)
-        if sc is None or sc.sent:
-            batch = TokenBatch.from_rows([(chunk, start, seq.pages)])
-            return self.runner.prefill(batch, self._rows([seq]))
-        return self._scored_prefill(seq, sc, chunk, start)
 
     def _scored_prefill(
         self, seq: Sequence, sc: PromptScoring, chunk: list[int], start: int

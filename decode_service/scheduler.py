@@ -1,5 +1,19 @@
 """Continuous batching: FCFS admission, chunked prefill interleaved with decode, preemption,
-and in-flight prefix sharing between prompts admitted together."""
+and in-flight prefix sharing between prompts admitted together.
+
+Each iteration runs one decode step for the running batch and one prefill call holding
+pieces of several prompts under a token budget (`prefill_chunk`, the worker's
+`--prefill-chunk`). The call's rows are padded to its longest piece, so the budget bounds
+the padded shape (rows bucket x token bucket), and the real tokens with it: an iteration's
+prefill costs at most one full-width piece, which keeps decode streaming. Which prompts get
+a piece (`StepConfig.prefill_pieces`): the oldest prefilling prompt always does; each later
+one, in admission order, joins when its whole remainder fits the per-row cap of the call
+with it added (it finishes in that call), so a short prompt admitted behind a long one gets
+its first token in the next iteration, not after the long one. A prompt too long to finish
+in a shared piece waits its turn (first come, first served), and long prompts prefill one
+at a time at the full budget. A prompt whose next block an earlier one is still computing
+sits out (in-flight prefix sharing, `_runnable`).
+"""
 
 from __future__ import annotations
 
@@ -11,28 +25,43 @@ from megaserve.errors import NoCapacity
 from megaserve.finish import FinishReason
 from megaserve.kv.allocator import PageAllocator
 from megaserve.kv.pages import claim_pages
+from megaserve.runner.buckets import StepConfig
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_running: int = 64  # sequences in the decode batch
     max_waiting: int = 256  # queued requests beyond which admission says RESOURCE_EXHAUSTED
-    prefill_chunk: int = 256  # prompt tokens computed per step, so decode keeps streaming
+    # Prompt tokens one iteration's prefill call computes, padding included (the token
+    # budget), so decode keeps streaming.
+    prefill_chunk: int = 256
+    # Prompts one prefill call takes at most (each row bucket is a set of programs to
+    # compile; the budget may allow fewer: each row takes at least the smallest token bucket).
+    prefill_rows: int = 4
+
+
+@dataclass(frozen=True)
+class PrefillPiece:
+    """`tokens` of seq's prompt (and, after preemption, its output), from position `start`."""
+
+    seq: Sequence
+    start: int
+    tokens: list[int]
 
 
 @dataclass
 class StepPlan:
-    """What one engine iteration runs: at most one prefill chunk, then one decode step."""
+    """What one engine iteration runs: prefill pieces of several prompts (one call), then
+    one decode step."""
 
-    prefill: Sequence | None
-    prefill_tokens: list[int]
-    prefill_start: int
+    prefill: list[PrefillPiece]
     decode: list[Sequence]
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, alloc: PageAllocator):
-        self.cfg, self.alloc = cfg, alloc
+    def __init__(self, cfg: SchedulerConfig, alloc: PageAllocator, step_cfg: StepConfig):
+        """step_cfg: the runner's buckets, which say how the budget splits over rows."""
+        self.cfg, self.alloc, self.step_cfg = cfg, alloc, step_cfg
         self.waiting: deque[Sequence] = deque()
         self.prefilling: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -109,18 +138,42 @@ class Scheduler:
 
     def plan(self) -> StepPlan:
         self._admit()
-        prefill, chunk, start = None, [], 0
-        if self.prefilling:
-            prefill = self.prefilling[0]
-            self.share_computed(prefill)
-            start = prefill.num_computed
-            chunk = prefill.tokens[start : start + self.cfg.prefill_chunk]
+        # Decode pages first: growing may preempt a prefilling sequence, which then has
+        # no piece this iteration.
         decode = []
         for seq in list(self.running):
             if seq in self.running and self._grow(seq):
                 decode.append(seq)
         decode = [s for s in decode if s in self.running]
-        return StepPlan(prefill, chunk, start, decode)
+        return StepPlan(self._pieces(), decode)
+
+    def _pieces(self) -> list[PrefillPiece]:
+        """This iteration's prefill pieces under the token budget (the rule: module doc)."""
+        seqs = self._runnable()
+        sizes = self.step_cfg.prefill_pieces([len(s.tokens) - s.num_computed for s in seqs])
+        return [
+            PrefillPiece(s, s.num_computed, s.tokens[s.num_computed : s.num_computed + n])
+            for s, n in zip(seqs, sizes)
+            if n > 0
+        ]
+
+    def _runnable(self) -> list[Sequence]:
+        """The prefilling sequences that may compute this iteration, oldest first. Each
+        first takes the blocks an earlier prompt has registered since it was admitted
+        (`share_computed`); one whose next block an earlier prompt in flight is still to
+        compute sits out, to take that block once registered, so no two rows of a call
+        compute the same KV. The oldest never waits."""
+        ps, pending, out = self.page_size, set(), []
+        for seq in self.prefilling:
+            self.share_computed(seq)
+            shareable = (len(seq.tokens) - 1) // ps  # the last token's block is never taken
+            nxt = seq.num_computed // ps
+            hashes = seq.block_hashes(shareable, ps) if nxt < shareable else []
+            if seq.num_computed % ps == 0 and hashes and hashes[nxt] in pending:
+                continue
+            pending.update(hashes[nxt:])
+            out.append(seq)
+        return out
 
     def prefill_done(self, seq: Sequence, n: int) -> bool:
         """Records n computed prompt tokens; True when the prompt is complete."""
@@ -137,9 +190,10 @@ class Scheduler:
         """Takes the blocks of seq's prompt that another sequence computed since seq was
         admitted (its prefix was in flight then), instead of computing them again.
 
-        Prompts are prefilled one at a time in admission order, so when seq's turn comes,
-        an earlier prompt sharing its prefix has registered every block of it. Only whole
-        leading blocks are taken, and never the last token's (its logits are needed).
+        A prompt whose next block an earlier prompt is still computing sits out
+        (`_runnable`), so the blocks it can take are registered before it computes them.
+        Only whole leading blocks are taken, and never the last token's (its logits are
+        needed).
         Returns the number of blocks taken.
         """
         ps, done = self.page_size, seq.num_registered

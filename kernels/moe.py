@@ -24,7 +24,8 @@ def route(
     return w.astype(x.dtype), idx
 
 
-def _swiglu(gu: jnp.ndarray) -> jnp.ndarray:
+def swiglu(gu: jnp.ndarray) -> jnp.ndarray:
+    """silu(gate) * up of f32[..., 2I] (gate first, as `w_gate_up` is packed): f32[..., I]."""
     f = gu.shape[-1] // 2
     return jax.nn.silu(gu[..., :f]) * gu[..., f:]
 
@@ -52,16 +53,17 @@ def moe_gather(w_gate_up, w_down, weights, idx, x) -> jnp.ndarray:
     # Expert-major batched matmuls (batch dim leading on both sides) keep XLA from re-laying
     # out the gathered weights; x is broadcast, which costs U x N x D floats, not weights.
     xb = jnp.broadcast_to(x[None], (u, n, x.shape[-1]))
-    act = _swiglu(jnp.einsum("und,udi->uni", xb, wgu))
+    act = swiglu(jnp.einsum("und,udi->uni", xb, wgu))
     y = jnp.einsum("uni,uid->und", act, wdn)
     # Summing slots in ascending expert order matches transformers' per-expert index_add.
     return jnp.einsum("nu,und->nd", coef, y)
 
 
 def moe_grouped(w_gate_up, w_down, weights, idx, x) -> jnp.ndarray:
-    """Prefill path: (token, expert) pairs sorted by expert, one grouped matmul per weight.
+    """(token, expert) pairs sorted by expert, one `lax.ragged_dot` grouped matmul per weight.
 
-    `lax.ragged_dot` multiplies each contiguous group by its expert (a grouped GEMM on TPU).
+    No longer served: CPU XLA expands ragged_dot densely (every expert on every token). The
+    prefill programs run `kernels.moe_prefill.moe_prefill`; this stays as the comparison.
 
     Args/Returns: as `moe_gather`.
     """
@@ -71,7 +73,7 @@ def moe_grouped(w_gate_up, w_down, weights, idx, x) -> jnp.ndarray:
     order = jnp.argsort(flat, stable=True)
     token = order // k
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-    act = _swiglu(jax.lax.ragged_dot(x[token], w_gate_up, sizes))
+    act = swiglu(jax.lax.ragged_dot(x[token], w_gate_up, sizes))
     y = jax.lax.ragged_dot(act, w_down, sizes) * weights.reshape(-1)[order][:, None]
     return jnp.zeros_like(x).at[token].add(y)
 
@@ -80,5 +82,5 @@ def moe_dense(w_gate_up, w_down, weights, idx, x) -> jnp.ndarray:
     """Reference: every expert on every token, masked by the routing (reads all experts)."""
     e = w_gate_up.shape[0]
     coef = jnp.sum(weights[:, :, None] * (idx[:, :, None] == jnp.arange(e)), axis=1)  # [N, E]
-    act = _swiglu(jnp.einsum("nd,edi->nei", x, w_gate_up))
+    act = swiglu(jnp.einsum("nd,edi->nei", x, w_gate_up))
     return jnp.einsum("ne,ned->nd", coef, jnp.einsum("nei,eid->ned", act, w_down))

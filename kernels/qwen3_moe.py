@@ -12,7 +12,8 @@ import numpy as np
 
 from kernels import llama
 from kernels.llama import LlamaConfig, TensorSource
-from kernels.moe import moe_dense, moe_gather, moe_grouped, route
+from kernels.moe import moe_dense, moe_gather, route
+from kernels.moe_prefill import moe_prefill
 
 MODEL_TYPES = ("qwen3_moe",)
 
@@ -132,7 +133,7 @@ def moe_mlp(cfg: Qwen3MoeConfig, lp: dict, x: jnp.ndarray) -> jnp.ndarray:
     if cfg.moe_impl == "dense":
         impl = moe_dense
     else:
-        impl = moe_gather if t == 1 else moe_grouped
+        impl = moe_gather if t == 1 else moe_prefill
     # Activations in the experts' dtype (bf16 experts are read as they lie, not cast up).
     dt = lp["w_gate_up"].dtype
     out = impl(lp["w_gate_up"], lp["w_down"], weights.astype(dt), idx, flat.astype(dt))

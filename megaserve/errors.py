@@ -44,3 +44,8 @@ class BackendError(ValueError):
 class ReservationGone(Exception):
     """KV arrived for a reservation that expired or was dropped meanwhile (the decode worker
     was too slow to take it, or released it): the request is fine, retry the hand-off."""
+
+
+class MeshError(ValueError):
+    """A device mesh this model or this process cannot take (--tp/--ep): the message names the
+    numbers that do not fit."""

@@ -12,6 +12,7 @@ from kernels.kv_cache import KVPool
 from megaserve.errors import RequestError, check_prompt_ids
 from megaserve.finish import FinishReason
 from megaserve.model import LoadedModel
+from megaserve.parallel.mesh import ParallelConfig
 from megaserve.runner.batch import TokenBatch
 from megaserve.runner.buckets import StepConfig
 from megaserve.runner.factory import make_runner
@@ -38,22 +39,27 @@ class OfflineGenerator:
         steps_per_call: int = 1,
         prefill_chunk: int = 512,
         backend: str = "xla",
+        parallel: ParallelConfig | None = None,
     ):
+        """parallel: tp > 1 runs the tensor-parallel XLA step (the pool split by KV heads)."""
         cfg = model.cfg
         self.model = model
         self.max_context = min(max_context or 4096, cfg.max_position_embeddings)
         pages_per_seq = math.ceil((self.max_context + steps_per_call) / page_size)
-        self.pool = KVPool.create(
-            cfg.num_layers,
-            pages_per_seq + 1,
-            page_size,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            model.params["embed"].dtype,
-        )
+        dtype = model.params["embed"].dtype
+        if parallel is not None and parallel.devices > 1:
+            from megaserve.runner.tp import tp_pool
+
+            self.pool = tp_pool(cfg, parallel, pages_per_seq + 1, page_size, dtype)
+        else:
+            self.pool = KVPool.create(
+                cfg.num_layers, pages_per_seq + 1, page_size, cfg.num_kv_heads, cfg.head_dim, dtype
+            )
         self.prefill_chunk = prefill_chunk
         step_cfg = StepConfig.for_limits(1, prefill_chunk, pages_per_seq, steps_per_call)
-        self.runner = make_runner(model.family, cfg, model.params, self.pool, step_cfg, backend)
+        self.runner = make_runner(
+            model.family, cfg, model.params, self.pool, step_cfg, backend, parallel=parallel
+        )
         # A single sequence owns pages 1..N in order; page 0 is the null page.
         self.pages = np.arange(1, pages_per_seq + 1, dtype=np.int32)
 

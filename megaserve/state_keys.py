@@ -27,6 +27,13 @@ def worker_blocks_key(worker_id: str) -> str:
     return f"{PREFIX}blocks:{worker_id}"
 
 
+def placed_blocks_key(worker_id: str) -> str:
+    """Sorted set: prefix block hashes (hex) routers have just sent to a worker, scored by
+    when that expectation ends (Unix ms): every router counts them before the worker's own
+    set says so. Routers trim expired members; the key's TTL bounds an idle one."""
+    return f"{PREFIX}placed:{worker_id}"
+
+
 def block_hex(h: int) -> str:
     """How a block hash (megaserve.kv.block_hash) is written in the block sets."""
     return format(h, "016x")

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from megaserve.errors import BackendError, CheckpointError, RequestError
+from megaserve.errors import BackendError, CheckpointError, MeshError, RequestError
 from megaserve.worker_args import add_backend_argument, add_dtype_argument
 
 
@@ -47,6 +47,13 @@ def _add_generate(sub) -> None:
     add_dtype_argument(p)
     add_backend_argument(p)
     p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel devices (Llama family, XLA step); on CPU forces that many "
+        "host devices",
+    )
+    p.add_argument(
         "--json",
         action="store_true",
         help='print {"token_ids": [...], "text": "..."} for the generated part only',
@@ -70,13 +77,22 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from megaserve.logs import configure
     from megaserve.model import LoadedModel, serving_dtype
     from megaserve.offline import OfflineGenerator
+    from megaserve.parallel.mesh import ParallelConfig, ensure_host_devices
     from megaserve.sampling_params import SamplingParams
 
     # Log lines (the backend choice) go to stderr: stdout is the text, or the --json object.
     # Always: structlog's default (also after structlog.testing.capture_logs) prints to stdout.
     configure()
+    parallel = ParallelConfig(tp=a.tp)
+    ensure_host_devices(parallel.devices)  # before anything starts JAX's backend
     sampling = SamplingParams(a.temperature, a.top_k, a.top_p, a.min_p, a.seed)
-    model = LoadedModel.load(a.checkpoint, serving_dtype(a.dtype), progress=not a.json)
+    # tp > 1: weights stay on the host until the runner splits them over the mesh.
+    on_device = parallel.devices == 1
+    model = LoadedModel.load(
+        a.checkpoint, serving_dtype(a.dtype), progress=not a.json, on_device=on_device
+    )
+    if not on_device:
+        parallel.check_model(model.cfg)
     tok = model.tokenizer
     if a.prompt_ids is not None:
         ids = a.prompt_ids
@@ -92,6 +108,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         max_context=a.max_context,
         steps_per_call=a.steps_per_call,
         backend=a.backend,
+        parallel=parallel,
     )
     stream = gen.stream(ids, a.max_new_tokens, sampling, ignore_eos=a.ignore_eos)
     out: list[int] = []
@@ -195,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.cmd == "generate":
             return cmd_generate(a)
         return a.func(a)
-    except (CheckpointError, RequestError, BackendError) as e:
+    except (CheckpointError, RequestError, BackendError, MeshError) as e:
         print(f"megaserve: error: {e}", file=sys.stderr)
         return 2
 

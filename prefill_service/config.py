@@ -51,7 +51,12 @@ class WorkerConfig:
 
 def add_arguments(p) -> None:
     add_common_arguments(p, max_context=4096)
-    p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=256,
+        help="token budget of one prefill call, padding included, split over the prompts in it",
+    )
     p.add_argument(
         "--max-queued",
         type=int,

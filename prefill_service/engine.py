@@ -33,8 +33,10 @@ class PrefillConfig:
     page_size: int = 16
     kv_budget_bytes: int | None = 256 * 2**20  # None: what the device has left
     max_context: int = 4096
-    chunk: int = 256  # tokens per row per prefill program; pages are sent after each chunk
-    max_batch: int = 8  # prompts sharing one prefill program
+    # Prompt tokens one prefill call computes, padding included (the token budget, split
+    # over its rows by `StepConfig.prefill_pieces`); pages are sent after each call.
+    chunk: int = 256
+    max_batch: int = 8  # prompts in flight (holding pages); one call takes up to this many
     max_queued: int = 64  # prompts waiting for a batch row; beyond it NoCapacity
 
     def __post_init__(self):
@@ -84,8 +86,11 @@ def engine_programs(runner: Runner, pool: KVPool, max_pages: int) -> list[Progra
 
 
 class PrefillEngine:
-    """A thread that batches queued prompts: each iteration runs one chunk of every active
-    prompt in one program, then hands each prompt the pages that chunk completed."""
+    """A thread that batches queued prompts: each iteration runs one prefill call holding
+    pieces of several active prompts under the token budget (`chunk` padded tokens; the
+    oldest prompt always has a piece, and a later one joins when it finishes in that call,
+    so short prompts do not wait behind long ones: `StepConfig.prefill_pieces`), then hands
+    each prompt the pages its piece completed."""
 
     def programs(self) -> list[Program]:
         return engine_programs(self.runner, self.pool, self.max_pages)
@@ -223,15 +228,18 @@ class PrefillEngine:
         }
 
     def _step(self) -> None:
-        ps, chunk = self.cfg.page_size, self.cfg.chunk
+        ps = self.cfg.page_size
         self._active = [j for j in self._active if not self._gone(j)]
-        jobs = self._runnable(self._active)
+        runnable = self._runnable(self._active)
+        # Always recompute at least the last token (its logits give the first token).
+        starts = [min(j.done, len(j.prompt) - 1) for j in runnable]
+        sizes = self.runner.step_cfg.prefill_pieces(
+            [len(j.prompt) - s for j, s in zip(runnable, starts)]
+        )
+        jobs = [j for j, n in zip(runnable, sizes) if n]
+        rows = [(s, j.prompt[s : s + n]) for j, s, n in zip(runnable, starts, sizes) if n]
         if not jobs:
             return
-        rows = []
-        for job in jobs:
-            start = min(job.done, len(job.prompt) - 1)  # always recompute at least the last
-            rows.append((start, job.prompt[start : start + chunk]))
         batch = TokenBatch.from_rows(
             [(toks, start, j.pages) for j, (start, toks) in zip(jobs, rows)]
         )
@@ -270,9 +278,10 @@ class PrefillEngine:
         self._active = [j for j in self._active if id(j) not in ended]
 
     def _runnable(self, jobs: list[_Job]) -> list[_Job]:
-        """The jobs that compute this step: a prompt whose next block an earlier prompt in
-        this batch is still to compute waits for it (it takes that prompt's pages once they
-        are registered) instead of computing the same KV twice. The first never waits."""
+        """The jobs that may compute this step (`prefill_pieces` picks the call's rows among
+        them): a prompt whose next block an earlier prompt in this batch is still to compute
+        waits for it (it takes that prompt's pages once they are registered) instead of
+        computing the same KV twice. The first never waits."""
         ps, pending, run = self.cfg.page_size, set(), []
         for job in jobs:
             self._share_computed(job)

@@ -19,7 +19,7 @@ class RouterConfig:
     prefill_policy: str = "round_robin"
     decode_policy: str = "kv_aware"
     session_fallback_policy: str = "kv_aware"
-    prefill_load_scale: float = 4.0
+    prefill_load_scale: float = 8.0
     busy_threshold_running: int = 64
     busy_threshold_kv_usage: float = 0.95
     balance_max_excess: int = 8
@@ -36,6 +36,9 @@ class RouterConfig:
     circuit_breaker_failures: int = 3
     circuit_breaker_reset_s: float = 5.0
     state_refresh_ms: float = 200.0
+    # Blocks this router sends to a worker are written to Redis at once, so the other routers
+    # count them (in flight, not yet in the worker's published set) too.
+    share_placements: bool = True
     reservation_lease_ms: int = 60000
     # A Generate whose model has no healthy decode worker waits this long for one (never past
     # its deadline) before UNAVAILABLE.

@@ -168,7 +168,7 @@ class Dispatcher:
                             self.breakers.success(d.id)
                             # The worker now caches the output's full blocks too (a session's
                             # next turn starts with them), before its heartbeat says so.
-                            d.expect_blocks(job.prompt + generated)
+                            self.state.expect(d, job.prompt + generated)
                             if job.session_id:
                                 await self.state.put_session(
                                     job.session_id, Session(d.id, len(job.prompt) + len(generated))
@@ -278,7 +278,7 @@ class Dispatcher:
         cached = d.cached_prefix_blocks(prompt)
         pages = pages_for_tokens(len(prompt) + remaining, d.info.page_size) - cached
         # Later requests with this prefix count it as there from now on (before any heartbeat).
-        d.expect_blocks(prompt)
+        self.state.expect(d, prompt)
         costs.lap("dispatch")
         log.info(
             "placed",
@@ -370,7 +370,7 @@ class Dispatcher:
                 resumed=resumed,
                 timeout=lambda: self._timeout(deadline),
             )
-            p.expect_blocks(prompt)
+            self.state.expect(p, prompt)
             self.breakers.success(p.id)
         except HandoffFailed as e:
             raise classify(d if e.at_decode else p, e.error, e.stage) from e

@@ -1,4 +1,5 @@
-"""The in-flight request ids' Redis commands (SET NX PX, DEL) on a connection of their own:
+"""The router's hot-path Redis commands (the in-flight ids' SET NX PX and DEL, and the
+placements it shares, fire-and-forget) on a connection of their own:
 written as they come and answered in order, so concurrent requests share round trips and a
 command costs one write and one read, not a pass through redis-py's pool and retry layers
 (measured: 12 vs 59 us of CPU a command). Plain redis:// and unix:// URLs only; TLS and
@@ -28,7 +29,8 @@ class _Replies(asyncio.Protocol):
     -error, :n, $-1 (nil), or a bulk string (its text is the value)."""
 
     def __init__(self):
-        self.waiters: deque[asyncio.Future] = deque()
+        # In command order; None: a fire-and-forget command's reply (read and dropped).
+        self.waiters: deque[asyncio.Future | None] = deque()
         self.buf = bytearray()
         self.transport: asyncio.Transport | None = None
 
@@ -50,15 +52,21 @@ class _Replies(asyncio.Protocol):
                 self.transport.close()
                 return
             w = self.waiters.popleft()
-            if not w.done():  # (a caller that timed out or was cancelled still takes its turn)
-                w.set_result(line)
+            if w is not None and not w.done():  # (a caller that timed out or was cancelled
+                w.set_result(line)  # still takes its turn)
 
     def connection_lost(self, exc) -> None:
         err = redis.ConnectionError(f"connection to Redis lost: {exc or 'closed'}")
         while self.waiters:
             w = self.waiters.popleft()
-            if not w.done():
+            if w is not None and not w.done():
                 w.set_exception(err)
+
+
+def _seen(fut: asyncio.Future) -> None:
+    """A background connect's failure is retrieved (the next call tries again)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 class InflightConnection:
@@ -142,6 +150,19 @@ class InflightConnection:
 
     async def delete(self, key: str) -> None:
         await self._send(await self._ready(), "DEL", key)
+
+    def fire(self, *commands: tuple) -> bool:
+        """Writes `commands` (each a tuple of arguments) with no one waiting for their replies
+        (an error reply is dropped too); False, and nothing sent, while the connection is
+        down (a connect starts in the background, for later calls)."""
+        r = self._replies
+        if r is None or r.transport.is_closing():
+            if self._connecting is None or self._connecting.done():
+                asyncio.ensure_future(self._ready()).add_done_callback(_seen)
+            return False
+        r.waiters.extend([None] * len(commands))
+        r.transport.write(b"".join(_encode(*c) for c in commands))
+        return True
 
     def close(self) -> None:
         if self._replies is not None:

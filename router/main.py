@@ -88,7 +88,12 @@ async def serve(a) -> None:
     tls, creds, interceptors = security_from_args(a)
     cfg = RouterConfig.from_yaml(a.config) if a.config else RouterConfig()
     models = load_models(a.checkpoint)
-    state = ClusterState(a.redis_url, cfg.state_refresh_ms / 1000, cfg.session_ttl_s)
+    state = ClusterState(
+        a.redis_url,
+        cfg.state_refresh_ms / 1000,
+        cfg.session_ttl_s,
+        share_placements=cfg.share_placements,
+    )
     server, port, health, servicer = await create_server(
         models,
         state,

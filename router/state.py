@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -23,6 +24,7 @@ from megaserve.state_keys import (
     WorkerInfo,
     block_hex,
     inflight_key,
+    placed_blocks_key,
     session_key,
     worker_blocks_key,
     worker_key,
@@ -34,7 +36,9 @@ from router.inflight import InflightConnection
 log = structlog.get_logger("megaserve.router.state")
 
 # Blocks a router predicts a worker now holds (it just sent a prompt there) are trusted this
-# long before the worker's own published set must confirm them.
+# long before the worker's own published set must confirm them. Routers share them through
+# Redis with wall-clock expiries: clock skew between router hosts (NTP: milliseconds) only
+# moves that end a little.
 OPTIMISTIC_S = 5.0
 
 
@@ -97,6 +101,11 @@ class WorkerView:
     def kv_usage(self) -> float:
         return self.active_pages / max(self.info.total_pages, 1)
 
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks the worker holds or is about to (the size of its prefix tree)."""
+        return len(self.blocks) + len(self.optimistic)
+
     def has_block(self, h: str, now: float) -> bool:
         return h in self.blocks or self.optimistic.get(h, 0.0) > now
 
@@ -112,11 +121,23 @@ class WorkerView:
             n += 1
         return n
 
-    def expect_blocks(self, prompt: list[int]) -> None:
-        """Records that this worker is about to cache prompt's full blocks."""
+    def expect_blocks(self, prompt: list[int]) -> list[str]:
+        """Records that this worker is about to cache prompt's full blocks; returns those
+        its published set does not hold yet."""
         until = time.monotonic() + OPTIMISTIC_S
-        for h in _prefix_hexes.get(prompt, self.info.page_size):
+        new = [h for h in _prefix_hexes.get(prompt, self.info.page_size) if h not in self.blocks]
+        for h in new:
             self.optimistic[h] = until
+        return new
+
+    def merge_placed(self, placed: list, now: float, now_ms: float) -> None:
+        """Adds blocks routers shared (members of placed_blocks_key: (hex, expiry Unix ms))
+        that the worker's own set does not confirm yet."""
+        for h, until_ms in placed:
+            h = h.decode() if isinstance(h, bytes) else h
+            until = now + (until_ms - now_ms) / 1000
+            if h not in self.blocks and until > self.optimistic.get(h, 0.0):
+                self.optimistic[h] = until
 
 
 @dataclass
@@ -128,13 +149,20 @@ class Session:
 class ClusterState:
     """Background-refreshed worker views plus session and in-flight-id operations."""
 
-    def __init__(self, redis_url: str | None, refresh_s: float = 0.2, session_ttl_s: float = 600):
+    def __init__(
+        self,
+        redis_url: str | None,
+        refresh_s: float = 0.2,
+        session_ttl_s: float = 600,
+        share_placements: bool = True,
+    ):
         # A redis:// URL or a redis+sentinel:// one (the client follows failovers); a bad URL
         # raises RedisURLError (a ValueError) naming it.
         self.redis = async_client(redis_url, timeout=0.5) if redis_url else None
         # In-flight ids on their own pipelined connection (None: through self.redis).
         self._ids = InflightConnection.for_url(redis_url, 0.5) if redis_url else None
         self.refresh_s, self.session_ttl_s = refresh_s, session_ttl_s
+        self.share_placements = share_placements
         self.workers: dict[str, WorkerView] = {}
         self.redis_ok = False
         self.refreshes = 0
@@ -216,14 +244,16 @@ class ClusterState:
             (m.decode() if isinstance(m, bytes) else m) for ms in await pipe.execute() for m in ms
         ]
         pipe = r.pipeline(transaction=False)
+        now_ms = time.time() * 1000
         for wid in ids:
             pipe.hgetall(worker_key(wid))
             pipe.smembers(worker_blocks_key(wid))
+            pipe.zrangebyscore(placed_blocks_key(wid), now_ms, "+inf", withscores=True)
         res = await pipe.execute() if ids else []
         seen, stale = {}, []
         now = time.monotonic()
         for i, wid in enumerate(ids):
-            h, blocks = res[2 * i], res[2 * i + 1]
+            h, blocks, placed = res[3 * i : 3 * i + 3]
             if not h:  # heartbeat expired: the worker is gone
                 stale.append(wid)
                 continue
@@ -238,6 +268,7 @@ class ClusterState:
             view.optimistic = {
                 k: t for k, t in view.optimistic.items() if t > now and k not in view.blocks
             }
+            view.merge_placed(placed, now, now_ms)
             seen[wid] = view
         self.workers = seen
         self.refreshes += 1
@@ -247,6 +278,33 @@ class ClusterState:
             for wid in stale:
                 pipe.srem(workers_set("decode"), wid)
                 pipe.srem(workers_set("prefill"), wid)
+                pipe.delete(placed_blocks_key(wid))
+            await pipe.execute()
+
+    def expect(self, view: WorkerView, prompt: list[int]) -> None:
+        """Records that view's worker is about to cache prompt's full blocks: in this
+        router's view at once and, sharing placements, in Redis for the other routers (a
+        write nobody waits for; expired members are trimmed by the same write)."""
+        new = view.expect_blocks(prompt)
+        if not (new and self.share_placements and self.redis is not None):
+            return
+        key, now_ms = placed_blocks_key(view.id), int(time.time() * 1000)
+        until_ms = now_ms + int(OPTIMISTIC_S * 1000)
+        cmds = (
+            ("ZADD", key, *itertools.chain.from_iterable((until_ms, h) for h in new)),
+            ("ZREMRANGEBYSCORE", key, "-inf", now_ms),
+            ("PEXPIRE", key, 2 * int(OPTIMISTIC_S * 1000)),
+        )
+        if self._ids is not None:
+            self._ids.fire(*cmds)  # down: this placement is not shared (the next one tries)
+        else:  # a TLS or Sentinel URL: through redis-py, off the request's path
+            asyncio.ensure_future(self._publish(cmds)).add_done_callback(_ignore)
+
+    async def _publish(self, cmds) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        for c in cmds:
+            pipe.execute_command(*c)
+        with contextlib.suppress(redis.RedisError, OSError):
             await pipe.execute()
 
     def pool(self, role: str, model: str) -> list[WorkerView]:
@@ -329,3 +387,9 @@ class ClusterState:
                     await self.redis.delete(inflight_key(request_id))
             except (redis.RedisError, OSError):
                 pass  # the key expires by itself
+
+
+def _ignore(fut: asyncio.Future) -> None:
+    """A background write's failure is retrieved (it only loses one shared placement)."""
+    if not fut.cancelled():
+        fut.exception()

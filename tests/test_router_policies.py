@@ -190,3 +190,27 @@ def test_balance_bound_overrides_the_cache():
     assert p.choose([hot, view("b", running=1)], RouteRequest(PROMPT)).id == "a"  # within 2
     hot = view("a", running=4, blocks=hexes(PROMPT))
     assert p.choose([hot, view("b", running=1)], RouteRequest(PROMPT)).id == "b"  # 3 > 2
+
+
+def test_a_few_placements_are_no_trend_for_the_share_bound():
+    """Early in the window a worker that took the last few requests is not over its share
+    (balance_max_excess above fair): a prefix's followers keep their cache hit."""
+    p = make_policy("kv_aware", RouterConfig(balance_max_share=1.5, balance_max_excess=8))
+    hot, cold = view("a", blocks=hexes(PROMPT)), view("b")
+    # The (k+1)-th of k placements on "a" is over the bound once k + 1 > (k + 1) / 2 + 8.
+    assert [p.choose([hot, cold], RouteRequest(PROMPT)).id for _ in range(16)] == ["a"] * 16
+    # Past fair + excess (and 1.5 x fair) the bound sends the next one elsewhere.
+    assert p.choose([hot, cold], RouteRequest(PROMPT)).id == "b"
+
+
+def test_a_new_prefix_goes_to_the_worker_caching_the_fewest_blocks():
+    """Even when that worker had more recent placements: the prefixes, and the traffic that
+    follows each, spread evenly (SGLang's cache-aware router: the smallest radix tree)."""
+    p = make_policy("kv_aware", RouterConfig())
+    other = list(range(5000, 5101))
+    big = view("a", blocks=hexes(other) + hexes([7] + other))  # two prefixes' blocks
+    small = view("b", blocks=hexes(other))
+    for _ in range(3):  # b took the last placements (its one prefix was busy)
+        p.choose([view("a"), view("b", blocks=hexes(PROMPT))], RouteRequest(PROMPT))
+    assert p.counts["b"] == 3 and p.counts["a"] == 0
+    assert p.choose([big, small], RouteRequest(list(range(9000, 9100)))).id == "b"

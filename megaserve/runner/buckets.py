@@ -24,8 +24,8 @@ class StepConfig:
     # Page-table widths are powers of two up to the pages one sequence may hold.
     max_pages_per_seq: int = 512
     steps_per_call: int = 1
-    # Rows one prefill call takes (the decode tier prefills one sequence at a time; the
-    # prefill tier batches prompts): None = the batch buckets.
+    # Rows one prefill call takes at most (both tiers batch prompt pieces under the token
+    # budget, `prefill_pieces`): None = the batch buckets.
     prefill_rows: int | None = None
 
     def __post_init__(self):
@@ -55,6 +55,51 @@ class StepConfig:
         if self.prefill_rows is None:
             return self.batch_buckets
         return buckets_up_to(self.prefill_rows, BATCH_BUCKETS)
+
+    @property
+    def prefill_budget(self) -> int:
+        """Padded tokens (rows bucket x token bucket) one prefill call may take: the largest
+        token bucket, the cost of one full-width row."""
+        return self.token_buckets[-1]
+
+    def prefill_cap(self, rows: int) -> int:
+        """Tokens each row takes when `rows` sequences share one prefill call: the largest
+        token bucket T with bucket(rows) x T within the budget; 0 when none is."""
+        if rows > self.prefill_batch_buckets[-1]:
+            return 0
+        b = bucket(rows, self.prefill_batch_buckets, "prefill rows")
+        return max((t for t in self.token_buckets if b * t <= self.prefill_budget), default=0)
+
+    def prefill_in_budget(self, rows: int, tokens: int) -> bool:
+        """Whether a (rows, tokens) prefill program is a shape `prefill_pieces` can ask for."""
+        return rows * tokens <= self.prefill_budget
+
+    def prefill_pieces(self, needs: list[int]) -> list[int]:
+        """Tokens each candidate computes in one prefill call, given each one's remaining
+        prompt tokens in admission order (oldest first); 0 = not in this call.
+
+        The oldest always runs (no prompt starves). A later one joins when its whole
+        remaining prompt fits the per-row cap of the call with it added, every row already
+        in still fitting too: it finishes in this call, so a short prompt gets its first
+        token beside a long one instead of behind it. Every row then takes min(its need,
+        cap). A prompt too long to finish in one shared piece waits for the ones before it
+        (first come, first served): long prompts prefill one at a time at the full budget,
+        the shape that reads their context least often per token. Rows are padded to the
+        longest piece (the programs take a [rows, tokens] batch), so the cap keeps the
+        padded call within the budget, and the real tokens with it.
+        """
+        rows = [0] if needs else []
+        for i in range(1, len(needs)):
+            cap = self.prefill_cap(len(rows) + 1)
+            if cap == 0:
+                break  # the cap only shrinks with more rows
+            if max(needs[j] for j in [*rows[1:], i]) <= cap:
+                rows.append(i)
+        cap = self.prefill_cap(len(rows)) if rows else 0
+        out = [0] * len(needs)
+        for j in rows:
+            out[j] = min(needs[j], cap)
+        return out
 
     @property
     def page_buckets(self) -> tuple[int, ...]:

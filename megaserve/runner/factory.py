@@ -12,6 +12,7 @@ import structlog
 from kernels.kv_cache import KVPool
 from megaserve.choices import BACKEND_CHOICES
 from megaserve.errors import BackendError
+from megaserve.parallel.mesh import ParallelConfig
 from megaserve.runner.base import Runner
 from megaserve.runner.buckets import StepConfig
 
@@ -58,11 +59,15 @@ def make_runner(
     backend: str | None = "auto",
     vmem_budget: int | None = None,
     matmul_dtype: Any = None,
+    parallel: ParallelConfig | None = None,
 ) -> Runner:
     """The runner for a --backend value (None = auto), logging which and why; `pallas` off
     TPU runs the megakernel in the TPU interpreter. `vmem_budget` caps the megakernel's plan;
-    `matmul_dtype` sets its matmul inputs (None: bf16)."""
+    `matmul_dtype` sets its matmul inputs (None: bf16). `parallel` with tp > 1: the XLA step
+    over a tensor-parallel mesh (the pool from `megaserve.runner.tp.tp_pool`)."""
     step_cfg = step_cfg or StepConfig()
+    if parallel is not None and parallel.devices > 1:
+        return _tp_runner(family, cfg, params, pool, step_cfg, backend, parallel)
     backend, why = choose_backend(cfg, pool.page_size, backend)
     log.info("backend", backend=backend, why=why)
     if backend == "pallas":
@@ -74,3 +79,17 @@ def make_runner(
     from megaserve.runner.xla import XlaRunner
 
     return XlaRunner(family, cfg, params, pool, step_cfg)
+
+
+def _tp_runner(family, cfg, params, pool, step_cfg, backend, parallel) -> Runner:
+    """The tensor-parallel XLA runner; an explicit `pallas` is a BackendError (the megakernel
+    runs on one device: its TP is a later slice), `auto` takes XLA."""
+    if backend == "pallas":
+        raise BackendError(
+            f"--backend pallas with tp={parallel.tp}: the megakernel runs on one device "
+            "(megakernel tensor parallelism is a later slice)"
+        )
+    log.info("backend", backend="xla", why=f"tp={parallel.tp}: the XLA step under shard_map")
+    from megaserve.runner.tp import TpXlaRunner
+
+    return TpXlaRunner(family, cfg, params, pool, step_cfg, parallel=parallel)

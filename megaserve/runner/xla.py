@@ -48,13 +48,17 @@ class XlaRunner(Runner):
     step_cfg: StepConfig = field(default_factory=StepConfig)
 
     def __post_init__(self):
-        if not is_abstract(self.params):  # host params (LoadedModel on_device=False) move once
-            self.params = jax.device_put(self.params)
+        if not is_abstract(self.params):
+            self.params = self.place_params(self.params)
         self.jit_prefills(self.family)
         self._decode: dict[int, Any] = {}
         self._pick = jax.jit(pick)
         self.programs_run = ProgramCache()
         self.program_keys: set[tuple] = set()
+
+    def place_params(self, params: dict) -> dict:
+        """The params on device: host ones (LoadedModel on_device=False) move once."""
+        return jax.device_put(params)
 
     @property
     def compiled_programs(self) -> int:

@@ -56,11 +56,19 @@ def add_bench(sub) -> None:
     d.add_argument("--json-out", help="also write all rows to this JSON file")
     d.set_defaults(func=cmd_bench_decode)
     _add_prefill(bsub)
-    m = bsub.add_parser("moe", help="MoE decode on a random Qwen3-MoE: served vs dense experts")
+    m = bsub.add_parser(
+        "moe", help="MoE decode on a random Qwen3-MoE, served vs dense (or --prefill-tokens)"
+    )
     m.add_argument("--batch", default="1,8,32")
     m.add_argument("--context", type=int, default=512)
     m.add_argument("--steps", type=int, default=10)
     m.add_argument("--warmup", type=int, default=2)
+    m.add_argument(
+        "--prefill-tokens",
+        type=positive_ints,
+        help="instead: one prefill MoE layer at these token counts, ours vs ragged_dot vs dense",
+    )
+    m.add_argument("--runs", type=positive_int, default=5, help="--prefill-tokens: timed calls")
     m.add_argument("--json-out")
     m.set_defaults(func=cmd_bench_moe)
     sv = bsub.add_parser("server", help="decode worker over real gRPC vs the in-process step")
@@ -193,6 +201,8 @@ def cmd_bench_moe(a: argparse.Namespace) -> int:
     from megaserve_app.bench.decode import measure_read_bandwidth
     from megaserve_app.bench.moe import bench_moe, random_moe_model
 
+    if a.prefill_tokens:
+        return _bench_moe_prefill(a)
     model = random_moe_model()
     bw = measure_read_bandwidth()
     rows = []
@@ -219,6 +229,30 @@ def cmd_bench_moe(a: argparse.Namespace) -> int:
         )
     if a.json_out:
         Path(a.json_out).write_text(json.dumps({"bandwidth_Bps": bw, "rows": rows}, indent=1))
+    return 0
+
+
+def _bench_moe_prefill(a: argparse.Namespace) -> int:
+    from megaserve_app.bench import summary
+    from megaserve_app.bench.moe import PREFILL_SHAPES, SLOW_CALL_S, bench_moe_prefill
+
+    print(
+        f"# MoE prefill layer, f32, ms per call: median [min-max] of `runs` calls after "
+        f"{max(1, a.warmup)} warm-up (one call where the warm-up took over {SLOW_CALL_S:.0f} s)"
+    )
+    print("| shape (D, I, E, k) | tokens | impl | ms | runs | active GFLOP/s | max diff vs dense |")
+    print("|---|---|---|---|---|---|---|")
+    rows = []
+    for shape, dims in PREFILL_SHAPES.items():
+        for n in a.prefill_tokens:
+            for r in bench_moe_prefill(shape, n, a.runs, a.warmup):
+                rows.append(r)
+                ms = summary.spread_text(r["ms_per_call"], r["ms_min"], r["ms_max"])
+                print(f"| {shape} {dims} | {n} | {r['impl']} | {ms} | {r['runs']} | "
+                      f"{r['active_gflop_per_s']:.1f} | {r['max_abs_diff_vs_dense']:.1e} |",
+                      flush=True)  # fmt: skip
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps({"rows": rows}, indent=1))
     return 0
 
 

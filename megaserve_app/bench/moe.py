@@ -1,8 +1,9 @@
-"""MoE decode benchmark on a random Qwen3-MoE model: bytes split dense / experts read / KV."""
+"""MoE benchmarks on random weights: decode (bytes dense / experts / KV) and one prefill layer."""
 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,8 @@ import numpy as np
 
 from kernels import qwen3_moe
 from kernels.kv_cache import KVPool
-from kernels.moe import route
+from kernels.moe import moe_dense, moe_grouped, route
+from kernels.moe_prefill import moe_prefill
 from megaserve.model import LoadedModel
 from megaserve_app.bench import summary
 from megaserve_app.bench.decode import time_decode
@@ -149,3 +151,64 @@ def bench_moe(
         "floor_ms": floor_ms,
         "floor_fraction": summary.floor_fraction(floor_ms, ms),
     }
+
+
+# One MoE layer per shape, (hidden, moe_intermediate, experts, top_k): BENCH_CONFIG's, and
+# Qwen3-30B-A3B's (2048, 768, 128, 8) with hidden and intermediate halved to fit a CPU.
+PREFILL_SHAPES = {"bench": (512, 256, 64, 8), "qwen3-30b-a3b/2": (1024, 384, 128, 8)}
+# dense: the reference, every expert on every token (timed first: its output is the truth);
+# ours: what a prefill program runs (`moe_prefill`: the expert loop off TPU); ragged_dot: the
+# path it replaced (on CPU XLA it multiplies every pair by every expert: k x dense).
+PREFILL_IMPLS = {"dense": moe_dense, "ours": moe_prefill, "ragged_dot": moe_grouped}
+# An impl whose warm-up call takes longer is timed once (ragged_dot at 2048 tokens: minutes).
+SLOW_CALL_S = 10.0
+
+
+def _timed_calls(fn, args, runs: int, warmup: int) -> tuple[list[float], np.ndarray]:
+    """Seconds of each timed call after max(1, warmup) untimed ones (the first compiles), and
+    the last output."""
+    t0 = time.perf_counter()
+    out = fn(*args).block_until_ready()
+    first = time.perf_counter() - t0
+    for _ in range(warmup - 1 if first < SLOW_CALL_S else 0):
+        fn(*args).block_until_ready()
+    times = []
+    for _ in range(runs if first < SLOW_CALL_S else 1):
+        t0 = time.perf_counter()
+        out = fn(*args).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return times, np.asarray(out)
+
+
+def bench_moe_prefill(shape: str, tokens: int, runs: int, warmup: int) -> list[dict]:
+    """One f32 MoE layer (routing excluded) on `tokens` random tokens, routed by a random
+    router: each impl's ms per call (median of `runs`) and its largest difference from the
+    dense reference."""
+    d, f, e, k = PREFILL_SHAPES[shape]
+    rng = np.random.default_rng(tokens)
+    w_gate_up = jnp.asarray(0.05 * rng.standard_normal((e, d, 2 * f), dtype=np.float32))
+    w_down = jnp.asarray(0.05 * rng.standard_normal((e, f, d), dtype=np.float32))
+    x = jnp.asarray(rng.standard_normal((tokens, d), dtype=np.float32))
+    weights, idx = route(jnp.asarray(rng.standard_normal((d, e), dtype=np.float32)), x, k, True)
+    args = (w_gate_up, w_down, weights, idx, x)
+    active = 2 * tokens * k * 3 * d * f  # the flops of the selected experts only
+    rows, ref = [], None
+    for name, impl in PREFILL_IMPLS.items():
+        times, out = _timed_calls(jax.jit(impl), args, runs, warmup)
+        ref = out if ref is None else ref
+        stats = summary.run_stats(times)
+        rows.append(
+            {
+                "shape": shape,
+                "hidden": d,
+                "moe_intermediate": f,
+                "experts": e,
+                "top_k": k,
+                "tokens": tokens,
+                "impl": name,
+                **stats.fields("ms_per_call"),
+                "active_gflop_per_s": active / stats.median_ms / 1e6,
+                "max_abs_diff_vs_dense": float(np.max(np.abs(out - ref))),
+            }
+        )
+    return rows

@@ -4,8 +4,13 @@ Uncached blocks are the prompt's full blocks the worker lacks (what it would hav
 or receive); active blocks measure the decode load it already carries. Busy workers (past
 a threshold) are skipped while any other worker is free. So that a worker holding every hot
 prefix cannot take all traffic while the rest idle, a worker that got more than
-balance_max_share x its fair share of the last balance_window placements also counts as busy,
-and a prefix no worker holds yet goes to the worker with the fewest recent placements.
+balance_max_share x its fair share of the last balance_window placements (and more than
+balance_max_excess placements above that share: a few placements are no trend) also counts
+as busy, and a prefix no worker holds yet goes to the worker caching the fewest blocks (as
+SGLang's cache-aware router sends it to the smallest radix tree), then the fewest recent
+placements: prefixes, and the traffic that follows each one, spread evenly. (Recent
+placements alone let a worker whose prefixes happened to be busy early lose every new prefix
+to the other, however many prefixes it ends up serving.)
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ class KvAware:
 
     def over_share(self, w: WorkerView, n_workers: int) -> bool:
         fair = (len(self.recent) + 1) / n_workers
-        return self.counts[w.id] + 1 > self.cfg.balance_max_share * fair
+        bound = max(self.cfg.balance_max_share * fair, fair + self.cfg.balance_max_excess)
+        return self.counts[w.id] + 1 > bound
 
     def choose(self, workers: list[WorkerView], req: RouteRequest) -> WorkerView:
         pool = not_busy(workers, self.cfg, self.cfg.busy_threshold_running)
@@ -45,7 +51,12 @@ class KvAware:
             # spread new prefixes over the workers with the fewest recent placements
             best = min(
                 pool,
-                key=lambda w: (self.counts[w.id], self.cost(w, req), tie_break(req.prompt, w.id)),
+                key=lambda w: (
+                    w.cached_blocks,
+                    self.counts[w.id],
+                    self.cost(w, req),
+                    tie_break(req.prompt, w.id),
+                ),
             )
         if len(self.recent) == self.recent.maxlen:
             self.counts[self.recent[0]] -= 1

@@ -1,0 +1,1 @@
+"""Parallelism across devices: meshes, parallel configs (tensor parallelism first)."""

@@ -1,0 +1,142 @@
+"""Routers share the prefix blocks they send to a worker through Redis: a second router
+counts them (in flight, not yet in the worker's published set) before any heartbeat does,
+they expire, and a router with sharing off or Redis down keeps only its own view."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import redis
+
+from megaserve.state_keys import WorkerInfo, placed_blocks_key, worker_key, workers_set
+from router import state as state_mod
+from router.inflight import InflightConnection
+from router.state import ClusterState
+
+PS = 16
+PROMPT = list(range(1000, 1000 + 5 * PS + 3))  # 5 full blocks of prompt[:-1]
+
+
+def _register(r: redis.Redis, wid: str) -> None:
+    info = WorkerInfo(wid, "decode", f"127.0.0.1:{7000 + len(wid)}", "m", 100, 100, 0, 0, PS)
+    r.hset(worker_key(wid), mapping=info.to_hash())
+    r.sadd(workers_set("decode"), wid)
+
+
+async def _settle(*states: ClusterState) -> None:
+    await asyncio.sleep(0.05)  # fire-and-forget writes reach Redis
+    for s in states:
+        await s.refresh()
+
+
+def test_a_placement_on_one_router_is_seen_by_another(redis_server):
+    r = redis.Redis.from_url(redis_server.url)
+    _register(r, "w1")
+    _register(r, "w2")
+
+    async def main():
+        a, b = ClusterState(redis_server.url), ClusterState(redis_server.url)
+        await _settle(a, b)
+        assert b.workers["w1"].cached_prefix_blocks(PROMPT) == 0
+        # a's connection is up only after its first command: the first fire connects.
+        a._ids.fire(("PING",))
+        await asyncio.sleep(0.05)
+        a.expect(a.workers["w1"], PROMPT)
+        await _settle(a, b)
+        got = (
+            b.workers["w1"].cached_prefix_blocks(PROMPT),
+            b.workers["w2"].cached_prefix_blocks(PROMPT),
+        )
+        members = r.zrange(placed_blocks_key("w1"), 0, -1, withscores=True)
+        ttl = r.pttl(placed_blocks_key("w1"))
+        for s in (a, b):
+            await s.stop()
+        return got, members, ttl
+
+    got, members, ttl = asyncio.run(main())
+    assert got == (5, 0)  # on w1 only
+    assert len(members) == 5
+    now_ms = time.time() * 1000
+    assert all(now_ms < s <= now_ms + state_mod.OPTIMISTIC_S * 1000 + 50 for _, s in members)
+    assert 0 < ttl <= 2 * state_mod.OPTIMISTIC_S * 1000
+
+
+def test_shared_placements_expire_and_are_trimmed(redis_server, monkeypatch):
+    monkeypatch.setattr(state_mod, "OPTIMISTIC_S", 0.3)
+    r = redis.Redis.from_url(redis_server.url)
+    _register(r, "w1")
+
+    async def main():
+        a, b = ClusterState(redis_server.url), ClusterState(redis_server.url)
+        await _settle(a, b)
+        a._ids.fire(("PING",))
+        await asyncio.sleep(0.05)
+        a.expect(a.workers["w1"], PROMPT)
+        await _settle(a, b)
+        seen = b.workers["w1"].cached_prefix_blocks(PROMPT)
+        await asyncio.sleep(0.4)
+        await _settle(a, b)
+        after = b.workers["w1"].cached_prefix_blocks(PROMPT)
+        a.expect(a.workers["w1"], PROMPT[: 2 * PS + 1])  # this write trims the expired five
+        await asyncio.sleep(0.05)
+        left = r.zcard(placed_blocks_key("w1"))
+        for s in (a, b):
+            await s.stop()
+        return seen, after, left
+
+    assert asyncio.run(main()) == (5, 0, 2)
+
+
+def test_blocks_the_worker_publishes_are_not_written_again(redis_server):
+    r = redis.Redis.from_url(redis_server.url)
+    _register(r, "w1")
+
+    async def main():
+        a = ClusterState(redis_server.url)
+        await _settle(a)
+        a._ids.fire(("PING",))
+        await asyncio.sleep(0.05)
+        w = a.workers["w1"]
+        w.blocks = frozenset(w.expect_blocks(PROMPT))  # as if the worker had published them
+        w.optimistic.clear()
+        a.expect(w, PROMPT)
+        await asyncio.sleep(0.05)
+        await a.stop()
+
+    asyncio.run(main())
+    assert not r.exists(placed_blocks_key("w1"))
+
+
+def test_sharing_off_keeps_placements_local(redis_server):
+    r = redis.Redis.from_url(redis_server.url)
+    _register(r, "w1")
+
+    async def main():
+        a = ClusterState(redis_server.url, share_placements=False)
+        await _settle(a)
+        a.expect(a.workers["w1"], PROMPT)
+        await asyncio.sleep(0.05)
+        local = a.workers["w1"].cached_prefix_blocks(PROMPT)
+        await a.stop()
+        return local
+
+    assert asyncio.run(main()) == 5  # its own view counts them
+    assert not r.exists(placed_blocks_key("w1"))
+
+
+def test_fire_while_redis_is_down_sends_nothing_and_reconnects(redis_server):
+    async def main():
+        conn = InflightConnection.for_url(redis_server.url, 0.5)
+        first = conn.fire(("SET", "k", "1"))  # not connected yet: dropped, connect started
+        await asyncio.sleep(0.1)
+        second = conn.fire(("SET", "k", "2"))
+        await asyncio.sleep(0.05)
+        # A reply-awaiting command after fire-and-forget ones still gets its own reply.
+        ok = await conn.set_nx("other", "x", 10_000)
+        conn.close()
+        return first, second, ok
+
+    first, second, ok = asyncio.run(main())
+    assert (first, second, ok) == (False, True, True)
+    assert redis.Redis.from_url(redis_server.url).get("k") == b"2"
