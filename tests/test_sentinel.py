@@ -111,13 +111,13 @@ class Sentinels:
         n = len(self.sentinel_ports) - 1
         return bool(master and replicas) and master["num-other-sentinels"] == n
 
-    def primary_port_now(self) -> int | None:
-        """The primary's port as the Sentinels report it (None while none answers)."""
-        for port in self.sentinel_ports:
-            got = _ask(self.client(port).sentinel_get_master_addr_by_name, SERVICE)
-            if got:
-                return int(got[1])
-        return None
+    def settled_primary_port(self) -> int:
+        """The primary's port once every Sentinel names the same one: they learn of a
+        failover one by one (hello messages), so one may still name the dead primary."""
+        ports = self.sentinel_ports
+        ask = [self.client(p).sentinel_get_master_addr_by_name for p in ports]
+        named = lambda: len(got := {_ask(a, SERVICE) for a in ask}) == 1 and None not in got  # noqa: E731
+        return int(_wait(named, what="the Sentinels agreeing") and _ask(ask[0], SERVICE)[1])
 
     def kill_primary(self) -> None:
         self.primary.kill()  # SIGKILL
@@ -262,7 +262,7 @@ def test_clients_follow_a_failover(sentinels):
         await _until(lambda: state.redis_ok and "d0" in state.workers, "the view is live")
         assert await state.claim("after", "r", 30)
         assert new.get("megaserve:inflight:after") == b"r"  # written on the new primary
-        assert sentinels.primary_port_now() == sentinels.replica_port
+        assert sentinels.settled_primary_port() == sentinels.replica_port
         took = time.monotonic() - t0
         await state.stop()
         return took
@@ -372,7 +372,7 @@ def test_stack_follows_a_failover(tmp_path, sentinels):
 
             _wait(followed, timeout=120, what="workers and router on the new primary")
         took = time.monotonic() - t0
-        switched = sentinels.primary_port_now()
+        switched = sentinels.settled_primary_port()
         after = time.monotonic()
         _wait(lambda: load.done_since(after) >= 4, timeout=180, what="requests after it")
         load.stop()
