@@ -298,8 +298,16 @@ def mm(x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
     return jnp.matmul(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
-def _layer(cfg, lp, h, cos, sin, positions, page_table, k_cache, v_cache, li, mlp):
-    """One decoder layer; returns (h, k_cache, v_cache) with this token's K/V written."""
+def _no_reduce(x: jnp.ndarray) -> jnp.ndarray:
+    return x
+
+
+def _layer(cfg, lp, h, cos, sin, positions, page_table, k_cache, v_cache, li, mlp, reduce):
+    """One decoder layer; returns (h, k_cache, v_cache) with this token's K/V written.
+
+    reduce sums the partial outputs of the row-parallel o and down projections across
+    tensor-parallel shards (`tp_llama`: a psum; one device: identity). Under tensor
+    parallelism cfg is the shard's `local_config`, so the head counts here are its own."""
     b, t, _ = h.shape
     x = rms_norm(h, lp["ln_attn"], cfg.rms_norm_eps)
     qkv = mm(x, lp["wqkv"])
@@ -318,12 +326,12 @@ def _layer(cfg, lp, h, cos, sin, positions, page_table, k_cache, v_cache, li, ml
     attn = paged_attention(
         q, k_cache, v_cache, li, positions, page_table, cfg.head_dim**-0.5, cfg.num_kv_heads
     ).reshape(b, t, cfg.q_size)
-    o = mm(attn, lp["wo"])
+    o = reduce(mm(attn, lp["wo"]))
     if cfg.o_bias:
-        o = o + lp["bo"]
+        o = o + lp["bo"]  # once, after the sum
     h = h + o
     x = rms_norm(h, lp["ln_mlp"], cfg.rms_norm_eps)
-    return h + mlp(cfg, lp, x), k_cache, v_cache
+    return h + reduce(mlp(cfg, lp, x)), k_cache, v_cache
 
 
 def dense_mlp(cfg: LlamaConfig, lp: dict, x: jnp.ndarray) -> jnp.ndarray:
@@ -361,18 +369,28 @@ def forward(
     Returns:
       (f32[B, V] logits (f32[B, T, V] for every position), k_cache, v_cache).
     """
+    last, k_cache, v_cache = final_hidden(
+        cfg, params, tokens, positions, k_cache, v_cache, page_table, logits_index, mlp
+    )
+    return mm(last, params["lm_head"]), k_cache, v_cache
+
+
+def final_hidden(
+    cfg, params, tokens, positions, k_cache, v_cache, page_table, logits_index, mlp, reduce=None
+):
+    """`forward` up to the lm_head: (f32[B, D] (or [B, T, D]) final-normed hidden states,
+    k_cache, v_cache). Shared with the tensor-parallel forward (`tp_llama.tp_forward`), which
+    passes its shard's config and a psum as reduce."""
     # The table's rows may be lane-padded (`pad_rows`): gathered whole, then cut to D.
     h = params["embed"][tokens][..., : cfg.hidden_size].astype(params["embed"].dtype)
     cos, sin = rope_cos_sin(positions, params["inv_freq"], params["rope_scale"])
-
+    mlp, reduce = mlp or dense_mlp, reduce or _no_reduce
     for li, lp in enumerate(params["layers"]):
         h, k_cache, v_cache = _layer(
-            cfg, lp, h, cos, sin, positions, page_table, k_cache, v_cache, li, mlp or dense_mlp
+            cfg, lp, h, cos, sin, positions, page_table, k_cache, v_cache, li, mlp, reduce
         )
     if logits_index is None:
         last = h
     else:
         last = jnp.take_along_axis(h, logits_index[:, None, None], axis=1)[:, 0]
-    last = rms_norm(last, params["final_norm"], cfg.rms_norm_eps)
-    logits = mm(last, params["lm_head"])
-    return logits, k_cache, v_cache
+    return rms_norm(last, params["final_norm"], cfg.rms_norm_eps), k_cache, v_cache

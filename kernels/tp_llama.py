@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,9 +13,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from kernels.kv_cache import pool_row
-from kernels.llama import LlamaConfig, dense_mlp, mm, rms_norm
-from kernels.paged_attention import paged_attention, write_kv
-from kernels.rope import apply_rope, rope_cos_sin
+from kernels.llama import LlamaConfig, dense_mlp, final_hidden, mm
 
 AXIS = "tp"  # the mesh axis the shards of this module live on
 REPLICATED = P()
@@ -149,36 +148,6 @@ def shard_major_params(cfg: LlamaConfig, lay: TpLayout, params: dict) -> dict:
 # -- the forward, per shard (called inside shard_map over AXIS) -----------------------------
 
 
-def _tp_layer(cfg, lp, h, cos, sin, positions, page_table, k_cache, v_cache, li):
-    """One decoder layer on one shard (cfg: `local_config`); h f32[B, T, D] replicated."""
-    b, t, _ = h.shape
-    x = rms_norm(h, lp["ln_attn"], cfg.rms_norm_eps)
-    qkv = mm(x, lp["wqkv"])  # f32[B, T, q_local + 2 kv_local]: this shard's heads
-    if cfg.qkv_bias:
-        qkv = qkv + lp["bqkv"]
-    q = qkv[..., : cfg.q_size].reshape(b, t, cfg.num_heads, cfg.head_dim)
-    k = qkv[..., cfg.q_size : cfg.q_size + cfg.kv_size].reshape(b, t, cfg.num_kv_heads, -1)
-    v = qkv[..., cfg.q_size + cfg.kv_size :].reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    if cfg.qk_norm:
-        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-    q = apply_rope(q, cos, sin)
-    k = apply_rope(k, cos, sin)
-    k_cache = write_kv(k_cache, li, k, positions, page_table)
-    v_cache = write_kv(v_cache, li, v, positions, page_table)
-    attn = paged_attention(
-        q, k_cache, v_cache, li, positions, page_table, cfg.head_dim**-0.5, cfg.num_kv_heads
-    ).reshape(b, t, cfg.q_size)
-    # Row-parallel o: each shard's heads give a partial sum of the full [D] output.
-    o = jax.lax.psum(mm(attn, lp["wo"]), AXIS)
-    if cfg.o_bias:
-        o = o + lp["bo"]  # once, after the sum
-    h = h + o
-    x = rms_norm(h, lp["ln_mlp"], cfg.rms_norm_eps)
-    # Column-parallel gate/up, row-parallel down: one psum for the whole MLP.
-    return h + jax.lax.psum(dense_mlp(cfg, lp, x), AXIS), k_cache, v_cache
-
-
 def tp_forward(
     cfg: LlamaConfig,
     lay: TpLayout,
@@ -198,18 +167,12 @@ def tp_forward(
     [B, T, vocab_local]) this shard's vocabulary slice of the logits, columns past the real
     vocabulary at -inf, k_cache, v_cache).
     """
-    local = local_config(cfg, lay)
-    h = params["embed"][tokens][..., : cfg.hidden_size].astype(params["embed"].dtype)
-    cos, sin = rope_cos_sin(positions, params["inv_freq"], params["rope_scale"])
-    for li, lp in enumerate(params["layers"]):
-        h, k_cache, v_cache = _tp_layer(
-            local, lp, h, cos, sin, positions, page_table, k_cache, v_cache, li
-        )
-    if logits_index is None:
-        last = h
-    else:
-        last = jnp.take_along_axis(h, logits_index[:, None, None], axis=1)[:, 0]
-    last = rms_norm(last, params["final_norm"], cfg.rms_norm_eps)
+    # Column-parallel q/k/v and gate|up, row-parallel o and down: one psum after each of the
+    # two row-parallel products per layer.
+    last, k_cache, v_cache = final_hidden(
+        local_config(cfg, lay), params, tokens, positions, k_cache, v_cache, page_table,
+        logits_index, dense_mlp, functools.partial(jax.lax.psum, axis_name=AXIS),
+    )  # fmt: skip
     logits = mm(last, params["lm_head"])  # vocab-parallel: no collective here
     col = jax.lax.axis_index(AXIS) * lay.vocab + jnp.arange(lay.vocab)
     return jnp.where(col < cfg.vocab_size, logits, -jnp.inf), k_cache, v_cache
