@@ -21,7 +21,7 @@ from kernels.tp_llama import (
     gather_vocab,
     tp_forward,
 )
-from kernels.xla_step import pick, prefill_logprobs_program
+from kernels.xla_step import decode_program, pick, prefill_logprobs_program
 
 LOGITS_SPEC = P(None, AXIS)  # f32[B, V] leave the step vocab-sharded; the host gathers them
 
@@ -83,27 +83,12 @@ def tp_prefill_logprobs_program(cfg, lay, mesh, specs, top_k, params, k, v, *res
 def tp_decode_program(cfg, lay, mesh, specs, n_steps, want_logits, params, k, v, tok, pos, pt, s):
     """`xla_step.decode_program` over tp shards (same arguments and returns)."""
 
-    def body(params, k, v, tokens, positions, pt, s):
-        zeros = jnp.zeros(tokens.shape, jnp.int32)
-        rows = jnp.arange(tokens.shape[0])
+    def forward(cfg, params, tokens, positions, k, v, pt, idx):
+        return tp_forward(cfg, lay, params, tokens, positions, k, v, pt, idx)
 
-        def step(carry, _):
-            k, v, tok, pos, s = carry
-            local, k, v = tp_forward(cfg, lay, params, tok[:, None], pos[:, None], k, v, pt, zeros)
-            nxt = tp_pick(cfg, lay, local, s, pos + 1)
-            if "counts" in s:  # later steps of a multi-step call see this step's token
-                s = s | {
-                    "counts": s["counts"].at[rows, nxt].add(1),
-                    "seen": s["seen"].at[rows, nxt].set(True),
-                }
-            pos = jnp.where(pos >= 0, pos + 1, -1)
-            return (k, v, nxt, pos, s), (nxt, local if want_logits else None)
-
-        (k, v, _, _, _), (toks, logits) = jax.lax.scan(
-            step, (k, v, tokens, positions, s), None, length=n_steps
-        )
-        return toks, logits, k, v
-
+    sharded = SimpleNamespace(forward=forward)  # a family whose logits are vocab slices
+    choose = partial(tp_pick, cfg, lay)
+    body = partial(decode_program, sharded, cfg, n_steps, want_logits, choose=choose)
     out = (REPLICATED, P(None, None, AXIS) if want_logits else None, KV_SPEC, KV_SPEC)
     toks, logits, k, v = _shard(mesh, specs, 4, out, body)(params, k, v, tok, pos, pt, s)
     return toks, (logits[..., : cfg.vocab_size] if want_logits else None), k, v

@@ -57,9 +57,13 @@ def prefill_logprobs_program(
     return pick(logits, s, pos), logits, target, top_ids, top, k, v
 
 
-def decode_program(family, cfg, n_steps, want_logits, params, k, v, tokens, positions, pt, s):
+def decode_program(
+    family, cfg, n_steps, want_logits, params, k, v, tokens, positions, pt, s, choose=pick
+):
     """n_steps decode steps in one program (`lax.scan`): tokens, positions i32[B] (position -1
-    = a padding row); pt: i32[B, P]. Returns (i32[n_steps, B], logits or None, k, v)."""
+    = a padding row); pt: i32[B, P]. Returns (i32[n_steps, B], logits or None, k, v).
+    choose(logits, s, pos) -> i32[B] picks the tokens (`pick`; the tensor-parallel step passes
+    its vocab-sharded `tp_pick`)."""
     zeros = jnp.zeros(tokens.shape, jnp.int32)
 
     rows = jnp.arange(tokens.shape[0])
@@ -67,7 +71,7 @@ def decode_program(family, cfg, n_steps, want_logits, params, k, v, tokens, posi
     def step(carry, _):
         k, v, tok, pos, s = carry
         logits, k, v = family.forward(cfg, params, tok[:, None], pos[:, None], k, v, pt, zeros)
-        nxt = pick(logits, s, pos + 1)
+        nxt = choose(logits, s, pos + 1)
         if "counts" in s:  # later steps of a multi-step call see this step's token
             s = s | {
                 "counts": s["counts"].at[rows, nxt].add(1),
