@@ -7,11 +7,13 @@ from dataclasses import dataclass, field
 
 from decode_service.engine import EngineConfig
 from decode_service.scheduler import SchedulerConfig
+from megaserve.parallel.distributed import GroupConfig
 from megaserve.security import TLSConfig
 from megaserve.worker_args import (
     add_backend_argument,
     add_common_arguments,
     advertised_address,
+    parallel_from_args,
     served_model_name,
 )
 
@@ -35,6 +37,8 @@ class WorkerConfig:
     advertise_host: str = ""  # host peers dial ("" = host)
     tls: TLSConfig | None = None  # --tls-cert/--tls-key/--tls-ca (mTLS when a CA is given)
     warm_up: bool = True  # --warm-up all: every program compiled before SERVING
+    # JAX_NUM_PROCESSES > 1: one of a multi-host group (process 0 serves, the others follow).
+    group: GroupConfig = GroupConfig()
 
 
 def add_arguments(p) -> None:
@@ -49,11 +53,22 @@ def add_arguments(p) -> None:
         "pieces of several prompts beside the decode step",
     )
     p.add_argument("--shutdown-grace", type=float, default=10.0)
+    p.add_argument(
+        "--group-timeout-s",
+        type=int,
+        default=10,
+        help="multi-host groups (JAX_NUM_PROCESSES > 1): JAX's heartbeat timeout (a dead "
+        "process ends the others within it); a group call stuck half this long withdraws the "
+        "leader's registration, twice this long ends the leader",
+    )
     add_backend_argument(p)
 
 
 def config_from_args(a) -> WorkerConfig:
-    """TLSConfigError for unreadable TLS files (checked before any model loads)."""
+    """TLSConfigError for unreadable TLS files, MeshError for a bad --tp or JAX_* group
+    variable (checked before any model loads; the host devices --tp needs are forced here,
+    and a multi-host group is joined)."""
+    group = GroupConfig.from_env(timeout_s=a.group_timeout_s)
     return WorkerConfig(
         checkpoint=a.checkpoint,
         dtype=a.dtype,
@@ -68,11 +83,13 @@ def config_from_args(a) -> WorkerConfig:
         advertise_host=advertised_address(a, 0).rsplit(":", 1)[0],
         tls=TLSConfig.from_args(a),
         warm_up=a.warm_up == "all",
+        group=group,
         engine=EngineConfig(
             page_size=a.page_size,
             kv_budget_bytes=None if a.kv_budget_mb is None else a.kv_budget_mb * 2**20,
             max_context=a.max_context,
             backend=a.backend,
+            parallel=parallel_from_args(a, group),
             scheduler=SchedulerConfig(
                 max_running=a.max_running, max_waiting=a.max_waiting, prefill_chunk=a.prefill_chunk
             ),

@@ -28,6 +28,7 @@ from megaserve.kv.allocator import PageAllocator
 from megaserve.kv.pages import pages_for_tokens
 from megaserve.memory_plan import planned_pool
 from megaserve.model import LoadedModel
+from megaserve.parallel.mesh import ParallelConfig
 from megaserve.runner.batch import TokenBatch
 from megaserve.runner.factory import make_runner
 from megaserve.runner.warm import warm_up
@@ -53,6 +54,8 @@ class EngineConfig:
     # The megakernel's matmul input dtype (None: bf16); float32 is the exactness mode that
     # compares it token for token with the XLA backend.
     kernel_matmul_dtype: Any = None
+    # --tp: the model and pool over this many devices (the XLA step under shard_map).
+    parallel: ParallelConfig = ParallelConfig()
 
 
 class DecodeEngine(Emission, StepFailures, PrefillStep):
@@ -64,13 +67,15 @@ class DecodeEngine(Emission, StepFailures, PrefillStep):
         mc = model.cfg
         # Checked before the pool is allocated (exit 2 naming the terms when it cannot fit),
         # and again after warm-up with every weight copy and the largest program temp.
-        self.memory, self.pool = planned_pool(model, cfg.page_size, cfg.kv_budget_bytes)
+        self.memory, self.pool = planned_pool(
+            model, cfg.page_size, cfg.kv_budget_bytes, cfg.parallel
+        )
         self.alloc = PageAllocator(self.pool.num_pages, cfg.page_size)
         self.max_pages_per_seq = math.ceil(cfg.max_context / cfg.page_size)
         step_cfg = step_config(cfg.scheduler, cfg.scheduler.max_running, self.max_pages_per_seq)
         self.runner = make_runner(
             model.family, mc, model.params, self.pool, step_cfg, cfg.backend,
-            cfg.vmem_budget_bytes, cfg.kernel_matmul_dtype,
+            cfg.vmem_budget_bytes, cfg.kernel_matmul_dtype, cfg.parallel,
         )  # fmt: skip
         sched_cfg = fit_running(self.runner, cfg.scheduler)
         # Buckets only up to what the scheduler may run: no program is built for more rows.
@@ -89,6 +94,7 @@ class DecodeEngine(Emission, StepFailures, PrefillStep):
             clock=lambda: time.monotonic() - self._stalled_s,
         )
         self.steps = 0
+        self.loop_at = time.monotonic()  # the engine thread's last iteration (progress)
         self._inbox: queue.Queue = queue.Queue()
         self._cancel: set[str] = set()
         self._lock = threading.Lock()
@@ -292,6 +298,7 @@ class DecodeEngine(Emission, StepFailures, PrefillStep):
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            self.loop_at = time.monotonic()
             try:
                 worked = self.run_once()
             except Exception:  # outside any step (a bug): log it, keep the thread alive

@@ -8,12 +8,15 @@ import sys
 import structlog
 
 from decode_service.config import WorkerConfig, add_arguments, config_from_args
-from decode_service.engine import DecodeEngine, wait_idle
+from decode_service.engine import wait_idle
+from decode_service.follower import follow_leader
 from decode_service.server import create_server
-from megaserve.errors import BackendError
+from decode_service.worker_engine import build_engine
+from megaserve.errors import BackendError, MeshError
 from megaserve.grpc_server import serve_until_signal
 from megaserve.memory_plan import MemoryPlanError
-from megaserve.model import LoadedModel, serving_dtype
+from megaserve.parallel.group import lead
+from megaserve.parallel.step_channel import StepChannel
 from megaserve.registration import Heartbeat
 from megaserve.security import TLSConfigError
 from megaserve.state_keys import WorkerInfo
@@ -23,11 +26,15 @@ log = structlog.get_logger("megaserve.decode")
 
 
 async def serve(cfg: WorkerConfig) -> None:
-    e = cfg.engine
-    model = LoadedModel.load_for(cfg.checkpoint, serving_dtype(cfg.dtype), e.backend, e.page_size)
-    engine = DecodeEngine(model, cfg.engine)
-    if cfg.warm_up:  # before the health service exists: nothing reports SERVING meanwhile
-        await asyncio.to_thread(engine.warm_up)
+    # Warm-up before the health service exists: nothing reports SERVING meanwhile.
+    model, engine = await asyncio.to_thread(build_engine, cfg)
+    hb = None
+    # A multi-host group's leader: each runner call is broadcast to the followers first.
+    leader = (
+        lead(engine, StepChannel(), cfg.group.timeout_s, lambda: hb and hb.stop(deregister=True))
+        if cfg.group.multi
+        else None
+    )
     engine.start()
     server, port, health, servicer = await create_server(engine, f"{cfg.host}:{cfg.port}", cfg.tls)
     address = f"{cfg.advertise_host or cfg.host}:{port}"
@@ -49,11 +56,15 @@ async def serve(cfg: WorkerConfig) -> None:
             s["page_size"],
             cfg.engine.max_context,
             model.cfg.vocab_size,
+            tp=cfg.engine.parallel.tp,
         )
+
+    def progressing() -> bool:
+        return leader is None or leader.alive(engine.loop_at)
 
     hb = (
         Heartbeat(
-            cfg.redis_url, info, cfg.heartbeat_s, cfg.heartbeat_ttl_s, blocks=engine.alloc
+            cfg.redis_url, info, cfg.heartbeat_s, cfg.heartbeat_ttl_s, engine.alloc, progressing
         ).start()
         if cfg.redis_url
         else None
@@ -73,6 +84,8 @@ async def serve(cfg: WorkerConfig) -> None:
     async def stop() -> None:
         await server.stop(1.0)
         engine.stop()
+        if leader:
+            leader.stop()
         if hb:
             hb.stop(deregister=True)
         log.info("stopped", worker_id=cfg.worker_id)
@@ -86,12 +99,15 @@ def main(a) -> int:
     configure()
     try:
         cfg = config_from_args(a)  # before the model loads: a bad TLS file fails at once
-    except TLSConfigError as e:
+    except (TLSConfigError, MeshError) as e:
         print(f"megaserve decode-worker: error: {e}", file=sys.stderr, flush=True)
         return 2
     try:
+        if not cfg.group.leader:
+            return follow_leader(cfg)
         asyncio.run(serve(cfg))
-    except (BackendError, MemoryPlanError) as e:  # --backend pallas it cannot take; no fit
+    # --backend pallas it cannot take; no fit; a --tp the model's heads cannot split into
+    except (BackendError, MemoryPlanError, MeshError) as e:
         print(f"megaserve decode-worker: error: {e}", file=sys.stderr, flush=True)
         return 2
     return 0

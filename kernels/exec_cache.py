@@ -45,6 +45,11 @@ def _on_event(event: str, **_: Any) -> None:
 jax.monitoring.register_event_listener(_on_event)
 
 
+# This cache stays under this (oldest entries dropped first): the shared cache directory
+# (`megaserve.compile_cache`) would otherwise grow with every code change.
+EXEC_CACHE_MAX_BYTES = 2 * 2**30
+
+
 def cache_dir() -> Path | None:
     """Beside JAX's persistent cache (the same switch and directory); None when it is off."""
     base = jax.config.jax_compilation_cache_dir
@@ -230,5 +235,24 @@ def _store(path: Path, compiled, label: str) -> None:
         tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_bytes(pickle.dumps(data))
         os.replace(tmp, path)  # readers see a whole entry or none
+        _prune(path.parent, EXEC_CACHE_MAX_BYTES)
     except Exception as e:  # the cache is an optimization: serving goes on without it
         log.warning("exec cache entry not written", program=label, error=repr(e))
+
+
+def _prune(root: Path, limit: int) -> None:
+    """Drops the least recently written entries until the directory holds at most limit
+    bytes (loads do not touch an entry: it is rewritten only when recompiled)."""
+    entries = []
+    for f in root.glob("*.bin"):
+        try:
+            st = f.stat()
+        except OSError:  # another process pruned it
+            continue
+        entries.append((st.st_mtime, st.st_size, f))
+    total = sum(size for _, size, _ in entries)
+    for _, size, f in sorted(entries):
+        if total <= limit:
+            return
+        f.unlink(missing_ok=True)
+        total -= size

@@ -298,16 +298,15 @@ def mm(x: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
     return jnp.matmul(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
-def _no_reduce(x: jnp.ndarray) -> jnp.ndarray:
-    return x
-
-
-def _layer(cfg, lp, h, cos, sin, positions, page_table, k_cache, v_cache, li, mlp, reduce):
+def _layer(cfg, lp, h, cos, sin, positions, page_table, k_cache, v_cache, li, mlp, reduces):
     """One decoder layer; returns (h, k_cache, v_cache) with this token's K/V written.
 
-    reduce sums the partial outputs of the row-parallel o and down projections across
-    tensor-parallel shards (`tp_llama`: a psum; one device: identity). Under tensor
-    parallelism cfg is the shard's `local_config`, so the head counts here are its own."""
+    reduces: (reduce, mlp_reduce). reduce sums the partial outputs of the row-parallel o
+    projection across tensor-parallel shards (`tp_llama`: a psum; one device: identity);
+    mlp_reduce(lp, y) those of the MLP (routed experts may be split over more shards than
+    attention: `tp_moe`). Under tensor parallelism cfg is the shard's `local_config`, so
+    the head counts here are its own."""
+    reduce, mlp_reduce = reduces
     b, t, _ = h.shape
     x = rms_norm(h, lp["ln_attn"], cfg.rms_norm_eps)
     qkv = mm(x, lp["wqkv"])
@@ -331,7 +330,7 @@ def _layer(cfg, lp, h, cos, sin, positions, page_table, k_cache, v_cache, li, ml
         o = o + lp["bo"]  # once, after the sum
     h = h + o
     x = rms_norm(h, lp["ln_mlp"], cfg.rms_norm_eps)
-    return h + reduce(mlp(cfg, lp, x)), k_cache, v_cache
+    return h + mlp_reduce(lp, mlp(cfg, lp, x)), k_cache, v_cache
 
 
 def dense_mlp(cfg: LlamaConfig, lp: dict, x: jnp.ndarray) -> jnp.ndarray:
@@ -376,18 +375,21 @@ def forward(
 
 
 def final_hidden(
-    cfg, params, tokens, positions, k_cache, v_cache, page_table, logits_index, mlp, reduce=None
-):
+    cfg, params, tokens, positions, k_cache, v_cache, page_table, logits_index, mlp,
+    reduce=None, mlp_reduce=None,
+):  # fmt: skip
     """`forward` up to the lm_head: (f32[B, D] (or [B, T, D]) final-normed hidden states,
     k_cache, v_cache). Shared with the tensor-parallel forward (`tp_llama.tp_forward`), which
-    passes its shard's config and a psum as reduce."""
+    passes its shard's config and a psum as reduce (and mlp_reduce(lp, y), default
+    reduce(y), where the MLP's partial sums span other shards)."""
     # The table's rows may be lane-padded (`pad_rows`): gathered whole, then cut to D.
     h = params["embed"][tokens][..., : cfg.hidden_size].astype(params["embed"].dtype)
     cos, sin = rope_cos_sin(positions, params["inv_freq"], params["rope_scale"])
-    mlp, reduce = mlp or dense_mlp, reduce or _no_reduce
+    mlp, reduce = mlp or dense_mlp, reduce or (lambda y: y)  # one device: nothing to sum
+    reduces = (reduce, mlp_reduce or (lambda lp, y: reduce(y)))
     for li, lp in enumerate(params["layers"]):
         h, k_cache, v_cache = _layer(
-            cfg, lp, h, cos, sin, positions, page_table, k_cache, v_cache, li, mlp, reduce
+            cfg, lp, h, cos, sin, positions, page_table, k_cache, v_cache, li, mlp, reduces
         )
     if logits_index is None:
         last = h

@@ -24,6 +24,22 @@ def route(
     return w.astype(x.dtype), idx
 
 
+def local_experts(
+    weights: jnp.ndarray, idx: jnp.ndarray, first: jnp.ndarray | int, count: int
+) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """`route`'s choices restricted to the experts [first, first + count) one expert-parallel
+    shard holds: their ids renumbered from 0, every other choice given weight 0 and the id
+    `count` (out of range: `moe_gather` gathers zeros for it, `moe_dense` matches no expert,
+    the prefill paths sort it after every expert's rows and `combine` weighs it by 0).
+
+    Args: weights: f32[N, k]; idx: i32[N, k]; first: i32 scalar (traced under shard_map).
+    Returns: (f32[N, k], i32[N, k]).
+    """
+    local = idx - first
+    mine = (local >= 0) & (local < count)
+    return jnp.where(mine, weights, 0), jnp.where(mine, local, count)
+
+
 def swiglu(gu: jnp.ndarray) -> jnp.ndarray:
     """silu(gate) * up of f32[..., 2I] (gate first, as `w_gate_up` is packed): f32[..., I]."""
     f = gu.shape[-1] // 2

@@ -140,7 +140,9 @@ def moe_gmm(
     rows to that multiple, and the padding is counted into the last expert's group: gmm
     leaves rows outside every group unwritten (stale memory, possibly NaN, which a zero
     routing weight would not cancel), while zero rows in a group compute exact zeros. Groups
-    need no alignment: gmm masks a tile's rows to each group that overlaps it.
+    need no alignment: gmm masks a tile's rows to each group that overlaps it. Pairs routed
+    to another shard's experts (id E, `moe.local_experts`) sort after every group and join
+    the last one too: finite rows that their zero weight cancels.
 
     Args/Returns: as `moe_sorted_loop` (float32 or bfloat16 only: gmm's dtypes);
       interpret: run the Pallas kernel in the interpreter (tests on CPU).
@@ -151,7 +153,7 @@ def moe_gmm(
     tm = cfg.gmm_rows
     m = -(-p // tm) * tm
     order, sizes, _ = sort_pairs(idx, e)
-    sizes = sizes.at[e - 1].add(m - p)
+    sizes = sizes.at[e - 1].add(m - jnp.sum(sizes))  # padding and other shards' pairs
     tok = jnp.concatenate([order // k, jnp.full((m - p,), n, jnp.int32)])
     xs = jnp.take(x, tok, axis=0, mode="fill", fill_value=0)  # [m, D]
     most = cfg.gmm_max_kn

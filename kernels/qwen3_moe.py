@@ -12,7 +12,7 @@ import numpy as np
 
 from kernels import llama
 from kernels.llama import LlamaConfig, TensorSource
-from kernels.moe import moe_dense, moe_gather, route
+from kernels.moe import local_experts, moe_dense, moe_gather, route
 from kernels.moe_prefill import moe_prefill
 
 MODEL_TYPES = ("qwen3_moe",)
@@ -123,13 +123,20 @@ def abstract_params(cfg: Qwen3MoeConfig, dtype: Any = jnp.float32) -> dict[str, 
     return llama.abstract_model(cfg, layers, dtype)
 
 
-def moe_mlp(cfg: Qwen3MoeConfig, lp: dict, x: jnp.ndarray) -> jnp.ndarray:
-    """The layer's MLP on f32[B, T, D]: routed experts where the layer has a router."""
+def moe_mlp(cfg: Qwen3MoeConfig, lp: dict, x: jnp.ndarray, first_expert: Any = 0) -> jnp.ndarray:
+    """The layer's MLP on f32[B, T, D]: routed experts where the layer has a router.
+
+    Under expert parallelism (`tp_moe`) lp holds only experts first_expert.. (i32 scalar) of
+    the router's E: the result is their share of the output (a psum over the shards adds the
+    rest), the router still choosing among all E."""
     if "router" not in lp:
         return llama.dense_mlp(cfg, lp, x)
     b, t, d = x.shape
     flat = x.reshape(b * t, d)
     weights, idx = route(lp["router"], flat, cfg.top_k, cfg.norm_topk_prob)
+    held = lp["w_gate_up"].shape[0]
+    if held < cfg.num_experts:
+        weights, idx = local_experts(weights, idx, first_expert, held)
     if cfg.moe_impl == "dense":
         impl = moe_dense
     else:

@@ -16,6 +16,7 @@ from kernels.kv_cache import pool_row
 from kernels.llama import LlamaConfig, dense_mlp, final_hidden, mm
 
 AXIS = "tp"  # the mesh axis the shards of this module live on
+EP_AXIS = "ep"  # the mesh axis routed experts are split over (`kernels.tp_moe`)
 REPLICATED = P()
 KV_SPEC = P(None, None, None, AXIS)  # the pool [L, pages, page_size, tp * row]: by KV heads
 
@@ -30,6 +31,11 @@ class TpLayout:
     kv_replicas: int  # shards holding each KV head (tp / Hkv when Hkv < tp, else 1)
     ffn: int  # intermediate (gate/up) columns per shard
     vocab: int  # lm_head columns per shard (the vocabulary padded to a multiple of tp)
+    # Mixture-of-experts models (`kernels.tp_moe.expert_layout`): the EP_AXIS size, routed
+    # experts per ep shard and each expert's intermediate columns per tp shard (0: none).
+    ep: int = 1
+    experts: int = 0
+    moe_ffn: int = 0
 
     @property
     def stored_kv_heads(self) -> int:
@@ -102,11 +108,13 @@ def _qkv_shard_major(cfg: LlamaConfig, lay: TpLayout, w: np.ndarray) -> np.ndarr
 
 
 def _gate_up_shard_major(lay: TpLayout, w: np.ndarray) -> np.ndarray:
-    """Fused gate|up [D, 2F] -> [D, tp * 2F/tp], shard i's gate_i|up_i at block i."""
-    f = w.shape[1] // 2
-    gate, up = w[:, :f], w[:, f:]
-    cols = [slice(i * lay.ffn, (i + 1) * lay.ffn) for i in range(lay.tp)]
-    return np.concatenate([np.concatenate([gate[:, c], up[:, c]], axis=1) for c in cols], axis=1)
+    """Fused gate|up [..., D, 2F] -> [..., D, tp * 2F/tp], shard i's gate_i|up_i at block i
+    (a dense MLP's [D, 2F] or routed experts' [E, D, 2I], each expert alike)."""
+    f = w.shape[-1] // 2
+    per = f // lay.tp
+    gate, up = w[..., :f], w[..., f:]
+    cols = [slice(i * per, (i + 1) * per) for i in range(lay.tp)]
+    return np.concatenate([np.concatenate([gate[..., c], up[..., c]], -1) for c in cols], -1)
 
 
 # Per-layer tensors and how they split: q/k/v and gate/up by output columns (column-parallel),
@@ -119,12 +127,18 @@ _LAYER_SPECS = {
     "w_gate_up": P(None, AXIS),
     "w_down": P(AXIS, None),
 }
+# Routed-expert layers (Qwen3-MoE): the experts [E, D, 2I] / [E, I, D] over EP_AXIS, each
+# expert's gate|up columns and down rows over AXIS as a dense MLP's; the router replicated.
+_EXPERT_SPECS = {"w_gate_up": P(EP_AXIS, None, AXIS), "w_down": P(EP_AXIS, AXIS, None)}
 
 
 def param_specs(params: dict) -> dict:
     """PartitionSpecs for `shard_params`' output (the same tree)."""
     top = {"embed": REPLICATED, "lm_head": P(None, AXIS)}
-    layers = [{k: _LAYER_SPECS.get(k, REPLICATED) for k in lp} for lp in params["layers"]]
+    layers = []
+    for lp in params["layers"]:
+        plan = _LAYER_SPECS | (_EXPERT_SPECS if "router" in lp else {})
+        layers.append({k: plan.get(k, REPLICATED) for k in lp})
     return {k: top.get(k, REPLICATED) for k in params if k != "layers"} | {"layers": layers}
 
 
@@ -158,20 +172,23 @@ def tp_forward(
     v_cache: jnp.ndarray,
     page_table: jnp.ndarray,
     logits_index: jnp.ndarray | None,
+    mlp: Any = dense_mlp,
+    mlp_reduce: Any = None,
 ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
-    """`llama.forward` on one shard, inside shard_map over AXIS.
+    """`llama.forward` on one shard, inside shard_map over AXIS (and EP_AXIS).
 
     params: this shard's block of `shard_major_params`; k_cache, v_cache: its pool block
     [L, pages, page_size, row_local]; tokens, positions: i32[B, T]; page_table: i32[B, P];
     logits_index: i32[B] or None (every position). Returns (f32[B, vocab_local] (or
     [B, T, vocab_local]) this shard's vocabulary slice of the logits, columns past the real
-    vocabulary at -inf, k_cache, v_cache).
+    vocabulary at -inf, k_cache, v_cache). mlp, mlp_reduce: as `llama.final_hidden`'s (the
+    MoE family's come from `tp_moe.shard_forward`).
     """
     # Column-parallel q/k/v and gate|up, row-parallel o and down: one psum after each of the
     # two row-parallel products per layer.
     last, k_cache, v_cache = final_hidden(
         local_config(cfg, lay), params, tokens, positions, k_cache, v_cache, page_table,
-        logits_index, dense_mlp, functools.partial(jax.lax.psum, axis_name=AXIS),
+        logits_index, mlp, functools.partial(jax.lax.psum, axis_name=AXIS), mlp_reduce,
     )  # fmt: skip
     logits = mm(last, params["lm_head"])  # vocab-parallel: no collective here
     col = jax.lax.axis_index(AXIS) * lay.vocab + jnp.arange(lay.vocab)

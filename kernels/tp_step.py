@@ -19,8 +19,8 @@ from kernels.tp_llama import (
     TpLayout,
     distributed_argmax,
     gather_vocab,
-    tp_forward,
 )
+from kernels.tp_moe import shard_forward
 from kernels.xla_step import decode_program, pick, prefill_logprobs_program
 
 LOGITS_SPEC = P(None, AXIS)  # f32[B, V] leave the step vocab-sharded; the host gathers them
@@ -55,7 +55,7 @@ def tp_prefill_program(cfg, lay, mesh, specs, params, k, v, tokens, positions, p
     """`xla_step.prefill_program` over tp shards (same arguments and returns)."""
 
     def body(params, k, v, tokens, positions, pt, last, s):
-        logits, k, v = tp_forward(cfg, lay, params, tokens, positions, k, v, pt, last)
+        logits, k, v = shard_forward(cfg, lay, params, tokens, positions, k, v, pt, last)
         pos = jnp.take_along_axis(positions, last[:, None], axis=1)[:, 0] + 1
         return tp_pick(cfg, lay, logits, s, pos), logits, k, v
 
@@ -71,7 +71,7 @@ def tp_prefill_logprobs_program(cfg, lay, mesh, specs, top_k, params, k, v, *res
     gathered whole (B x T x V: scoring requests are rare) and scored alike on each shard."""
 
     def forward(cfg, params, tokens, positions, k, v, pt, idx):
-        local, k, v = tp_forward(cfg, lay, params, tokens, positions, k, v, pt, idx)
+        local, k, v = shard_forward(cfg, lay, params, tokens, positions, k, v, pt, idx)
         return gather_vocab(local, cfg), k, v
 
     gathered = SimpleNamespace(forward=forward)  # a family whose logits are whole rows
@@ -84,7 +84,7 @@ def tp_decode_program(cfg, lay, mesh, specs, n_steps, want_logits, params, k, v,
     """`xla_step.decode_program` over tp shards (same arguments and returns)."""
 
     def forward(cfg, params, tokens, positions, k, v, pt, idx):
-        return tp_forward(cfg, lay, params, tokens, positions, k, v, pt, idx)
+        return shard_forward(cfg, lay, params, tokens, positions, k, v, pt, idx)
 
     sharded = SimpleNamespace(forward=forward)  # a family whose logits are vocab slices
     choose = partial(tp_pick, cfg, lay)

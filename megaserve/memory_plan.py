@@ -123,13 +123,23 @@ def after_warm_up(plan: MemoryPlan, weights: int, kv_pool: int, executables) -> 
     return done
 
 
-def planned_pool(model: Any, page_size: int, requested_kv: int | None):
+def planned_pool(model: Any, page_size: int, requested_kv: int | None, parallel: Any = None):
     """(the start plan, the KV pool it sizes) for a worker of `model` (a LoadedModel): the
-    plan is checked before the pool is allocated, so a pool that cannot fit is never made."""
+    plan is checked before the pool is allocated, so a pool that cannot fit is never made.
+
+    `parallel` (a ParallelConfig) with tp > 1: the pool is split over its mesh and the KV
+    budget is the whole pool's, every device and every replica of a KV head counted (the
+    plan still weighs whole weights and pool against one device: right on CPU, where the
+    devices share host memory; conservative on an accelerator)."""
     from kernels.kv_cache import KVPool
 
     mc = model.cfg
     plan = start_plan(tree_bytes(model.params), requested_kv)
+    if parallel is not None and parallel.devices > 1:
+        from megaserve.parallel.tp_pool import tp_pool_for_budget
+
+        dtype = model.params["embed"].dtype
+        return plan, tp_pool_for_budget(mc, parallel, page_size, plan.kv_pool, dtype)
     pool = KVPool.for_budget(
         mc.num_layers, page_size, mc.num_kv_heads, mc.head_dim, plan.kv_pool,
         model.params["embed"].dtype,

@@ -66,10 +66,17 @@ class LoadedModel:
 
     @classmethod
     def load_for(
-        cls, spec: str, dtype: Any, backend: str, page_size: int, progress: bool = False
+        cls,
+        spec: str,
+        dtype: Any,
+        backend: str,
+        page_size: int,
+        progress: bool = False,
+        devices: int = 1,
     ) -> LoadedModel:
         """Loads for a worker whose decode backend is `backend` (auto/pallas/xla): on the
-        host when that resolves to the megakernel, which packs its own device copy."""
+        host when that resolves to the megakernel, which packs its own device copy, or when
+        the model runs over several `devices` (the tensor-parallel runner splits it)."""
         from megaserve.runner.factory import choose_backend
 
         ck = load_checkpoint(spec, progress=progress)
@@ -78,5 +85,5 @@ class LoadedModel:
             cfg = config_cls.from_hf(ck.config)
         except (ValueError, KeyError):
             return cls.from_checkpoint(ck, dtype)  # which reports the config error
-        on_device = choose_backend(cfg, page_size, backend)[0] != "pallas"
+        on_device = devices == 1 and choose_backend(cfg, page_size, backend)[0] != "pallas"
         return cls.from_checkpoint(ck, dtype, on_device)

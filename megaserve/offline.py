@@ -48,7 +48,7 @@ class OfflineGenerator:
         pages_per_seq = math.ceil((self.max_context + steps_per_call) / page_size)
         dtype = model.params["embed"].dtype
         if parallel is not None and parallel.devices > 1:
-            from megaserve.runner.tp import tp_pool
+            from megaserve.parallel.tp_pool import tp_pool
 
             self.pool = tp_pool(cfg, parallel, pages_per_seq + 1, page_size, dtype)
         else:

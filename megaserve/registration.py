@@ -41,6 +41,7 @@ class Heartbeat:
         interval: float = 1.0,
         ttl: float = 5.0,
         blocks: BlockSource | None = None,
+        alive: Callable[[], bool] | None = None,
     ):
         # redis:// or redis+sentinel:// (megaserve/redis_conn.py): through Sentinel every new
         # connection asks for the current primary, so after a failed beat the next one goes
@@ -48,6 +49,10 @@ class Heartbeat:
         self.client = sync_client(url, timeout=1.0)
         self.info, self.interval, self.ttl = info, interval, ttl
         self.blocks = blocks
+        # Beats only while alive() (None: always): a multi-host leader whose group stopped
+        # making progress withdraws its record (routers stop placing there) until it moves.
+        self.alive = alive
+        self.paused = False
         self._resync_at = 0.0  # monotonic time of the next full block-set rewrite
         self.healthy = False
         self.beats = 0
@@ -102,6 +107,16 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            if self.alive is not None and not self.alive():
+                if not self.paused:
+                    log.warning("no progress; registration withdrawn")
+                    self.withdraw()
+                self.paused = True
+                self._stop.wait(self.interval)
+                continue
+            if self.paused:
+                self._resync_at = 0.0  # the withdrawn block set is rewritten whole
+            self.paused = False
             try:
                 self.beat()
                 if not self.healthy:
@@ -118,9 +133,13 @@ class Heartbeat:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         if deregister:
-            try:
-                w = self.info()
-                self.client.delete(worker_key(w.worker_id), worker_blocks_key(w.worker_id))
-                self.client.srem(workers_set(w.role), w.worker_id)
-            except redis.RedisError:
-                pass
+            self.withdraw()
+
+    def withdraw(self) -> None:
+        """Deletes this worker's record and block set (best effort: they expire anyway)."""
+        try:
+            w = self.info()
+            self.client.delete(worker_key(w.worker_id), worker_blocks_key(w.worker_id))
+            self.client.srem(workers_set(w.role), w.worker_id)
+        except redis.RedisError:
+            pass

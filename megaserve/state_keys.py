@@ -59,6 +59,7 @@ class WorkerInfo:
     page_size: int
     max_context: int = 0  # tokens (prompt + output) one request may use
     vocab_size: int = 0
+    tp: int = 1  # tensor-parallel devices (the KV hand-off works across different tp)
 
     def to_hash(self) -> dict[str, str]:
         return {k: str(v) for k, v in self.__dict__.items()}
@@ -77,6 +78,7 @@ class WorkerInfo:
             "page_size",
             "max_context",
             "vocab_size",
+            "tp",
         }
         return cls(
             **{

@@ -31,6 +31,13 @@ def add_common_arguments(p, max_context: int) -> None:
     p.add_argument("--max-context", type=int, default=max_context)
     add_dtype_argument(p)
     p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel devices for the model and KV pool (Llama family, XLA step); on "
+        "CPU forces that many host devices. KV hand-off works across different --tp",
+    )
+    p.add_argument(
         "--warm-up",
         choices=("all", "none"),
         default="all",
@@ -97,3 +104,20 @@ def served_model_name(a) -> str:
     from megaserve.checkpoint import model_name
 
     return a.served_model_name or model_name(a.checkpoint)
+
+
+def parallel_from_args(a, group=None):
+    """--tp as a ParallelConfig (MeshError naming a bad value), this process's host devices
+    forced to match on CPU: call before anything starts JAX's backend. With a multi-host
+    `group` (megaserve.parallel.distributed.GroupConfig) the mesh spans every process's
+    devices: this process forces its share, then joins the group."""
+    from megaserve.parallel.distributed import join
+    from megaserve.parallel.mesh import ParallelConfig, ensure_host_devices
+
+    parallel = ParallelConfig(tp=a.tp)
+    if group is None or not group.multi:
+        ensure_host_devices(parallel.devices)
+        return parallel
+    ensure_host_devices(group.local_devices(parallel.devices))
+    join(group)
+    return parallel

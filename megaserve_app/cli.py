@@ -50,8 +50,14 @@ def _add_generate(sub) -> None:
         "--tp",
         type=int,
         default=1,
-        help="tensor-parallel devices (Llama family, XLA step); on CPU forces that many "
-        "host devices",
+        help="tensor-parallel devices (Llama family and Qwen3-MoE, XLA step); on CPU forces "
+        "tp x ep host devices",
+    )
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel devices (Qwen3-MoE: num_experts / ep experts each), times --tp",
     )
     p.add_argument(
         "--json",
@@ -83,7 +89,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     # Log lines (the backend choice) go to stderr: stdout is the text, or the --json object.
     # Always: structlog's default (also after structlog.testing.capture_logs) prints to stdout.
     configure()
-    parallel = ParallelConfig(tp=a.tp)
+    parallel = ParallelConfig(tp=a.tp, ep=a.ep)
     ensure_host_devices(parallel.devices)  # before anything starts JAX's backend
     sampling = SamplingParams(a.temperature, a.top_k, a.top_p, a.min_p, a.seed)
     # tp > 1: weights stay on the host until the runner splits them over the mesh.

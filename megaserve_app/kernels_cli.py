@@ -32,10 +32,33 @@ def add_kernels(sub) -> None:
         default=None,
         help="force weight ring A's depth, skipping the VMEM fit (to see the compiler's verdict)",
     )
+    c.add_argument(
+        "--topology",
+        default=None,
+        help="compile over a mesh of this compile-only topology's devices (tpu7x:2x2x1 = 8, "
+        "tpu7x:2x2x2 = 16 over 2 processes): the tensor-parallel XLA decode step and prefill "
+        "chunk; tp x ep must equal its device count",
+    )
+    c.add_argument("--tp", type=int, default=1, help="tensor parallelism (with --topology)")
+    c.add_argument("--ep", type=int, default=1, help="expert parallelism (with --topology)")
+    c.add_argument("--chunk", type=int, default=512, help="prefill tokens per call (--topology)")
     c.add_argument("--json", action="store_true", help="print one JSON object")
     c.set_defaults(func=cmd_compile)
     add_compile_worker(ksub)
     add_compile_prefill(ksub)
+
+
+def _run(command: str, make, a: argparse.Namespace) -> dict | None:
+    """make()'s report, printed as JSON under --json; None (after naming the error) when the
+    request is bad (a ValueError): the caller exits 2."""
+    try:
+        res = make()
+    except ValueError as e:
+        print(f"megaserve kernels {command}: error: {e}", file=sys.stderr)
+        return None
+    if a.json:
+        print(json.dumps(res))
+    return res
 
 
 def add_compile_prefill(ksub) -> None:
@@ -58,14 +81,11 @@ def cmd_compile_prefill(a: argparse.Namespace) -> int:
     """Exit 0 when it compiled, 1 with the compiler's message when not, 2 on a bad request."""
     from megaserve_app.compile_prefill import compile_prefill
 
-    try:
-        res = compile_prefill(a.config, a.target, a.chunk, a.context, a.batch, a.page_size, a.dtype)
-    except ValueError as e:
-        print(f"megaserve kernels compile-prefill: error: {e}", file=sys.stderr)
+    args = (a.config, a.target, a.chunk, a.context, a.batch, a.page_size, a.dtype)
+    res = _run("compile-prefill", lambda: compile_prefill(*args), a)
+    if res is None:
         return 2
-    if a.json:
-        print(json.dumps(res))
-    else:
+    if not a.json:
         vmem = res["vmem_bytes"]
         print(
             f"{res['config']} {res['target']} batch {res['batch']} chunk {res['chunk']} "
@@ -119,14 +139,10 @@ def cmd_compile_worker(a: argparse.Namespace) -> int:
         page_size=a.page_size, kv_budget_mb=a.kv_budget_mb, dtype=a.dtype, backend=a.backend,
         jobs=a.jobs,
     )  # fmt: skip
-    try:
-        res = compile_worker(t)
-    except ValueError as e:
-        print(f"megaserve kernels compile-worker: error: {e}", file=sys.stderr)
+    res = _run("compile-worker", lambda: compile_worker(t), a)
+    if res is None:
         return 2
-    if a.json:
-        print(json.dumps(res))
-    else:
+    if not a.json:
         mem = res["hbm_per_device"]
         for r in res["programs"]:
             print(
@@ -150,6 +166,9 @@ def cmd_compile(a: argparse.Namespace) -> int:
     """Exit 0 when it compiled, 1 with the compiler's message when not, 2 on a bad request."""
     from kernels.megakernel.aot import CompileRequest, compile_megakernel
 
+    if a.topology or a.tp > 1 or a.ep > 1:
+        return cmd_compile_mesh(a)
+
     req = CompileRequest(
         config_path=a.config,
         target=a.target,
@@ -159,14 +178,10 @@ def cmd_compile(a: argparse.Namespace) -> int:
         emit_logits=not a.no_logits,
         depth_a=a.depth_a,
     )
-    try:
-        res = compile_megakernel(req)
-    except ValueError as e:
-        print(f"megaserve kernels compile: error: {e}", file=sys.stderr)
+    res = _run("compile", lambda: compile_megakernel(req), a)
+    if res is None:
         return 2
-    if a.json:
-        print(json.dumps(res))
-    else:
+    if not a.json:
         print(
             f"{res['config']} {res['target']} batch {res['batch']} context {res['context']}: "
             f"compiled={res['compiled']} vmem={res['vmem_bytes'] / 2**20:.1f} MiB "
@@ -178,3 +193,34 @@ def cmd_compile(a: argparse.Namespace) -> int:
         print(res.get("error", "compilation failed"), file=sys.stderr)
         return 1
     return 0
+
+
+def cmd_compile_mesh(a: argparse.Namespace) -> int:
+    """`kernels compile --topology`: exit codes as `cmd_compile`."""
+    from megaserve_app.compile_mesh import MeshCompile, compile_mesh
+
+    req = MeshCompile(
+        config_path=a.config, topology=a.topology or "tpu7x:2x2x1", tp=a.tp, ep=a.ep,
+        batch=a.batch, context=a.context, chunk=a.chunk, page_size=a.page_size,
+    )  # fmt: skip
+    res = _run("compile", lambda: compile_mesh(req), a)
+    if res is None:
+        return 2
+    if not a.json:
+        mem = res["hbm_per_device"]
+        for kind in ("decode", "prefill"):
+            r = res[kind]
+            print(
+                f"{kind}: compiled={r['compiled']} temp={r.get('hbm_temp_bytes')} "
+                f"rounds={r.get('collective_rounds')} ici={r.get('ici_bytes_per_device')} B "
+                f"projected={r.get('projected_ms')} {r['compile_s']} s"
+            )
+        print(
+            f"{res['topology']} tp={res['tp']} ep={res['ep']} batch {res['batch']} context "
+            f"{res['context']}: weights={mem['weights'] / 1e9:.2f} GB pool="
+            f"{mem['kv_pool'] / 1e9:.2f} GB per device, fits={res['fits']}"
+        )
+    for kind in ("decode", "prefill"):
+        if not res[kind]["compiled"]:
+            print(f"{kind}: {res[kind]['error']}", file=sys.stderr)
+    return 0 if res["compiled"] else 1

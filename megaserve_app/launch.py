@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+from megaserve.compile_cache import cache_env
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -128,15 +130,13 @@ def child_env() -> dict[str, str]:
         env["MEGASERVE_PARENT_PID"] = str(os.getpid())
     env.setdefault("JAX_PLATFORMS", "cpu")
     # Every process shares one persistent compile cache: restarts start warm.
-    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(REPO / ".cache" / "jax"))
-    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
-    return env
+    return cache_env(env)
 
 
 class Proc:
     """A megaserve child process; READY line parsed, output kept (last lines) and relayed."""
 
-    def __init__(self, cmd: list[str], name: str, echo=None, keep: int = 5000):
+    def __init__(self, cmd: list[str], name: str, echo=None, keep: int = 5000, env=None):
         self.name, self.cmd, self.lines, self.keep, self.echo = name, cmd, [], keep, echo
         self.p = subprocess.Popen(
             cmd,
@@ -144,7 +144,7 @@ class Proc:
             stderr=subprocess.STDOUT,
             text=True,
             cwd=REPO,
-            env=child_env(),
+            env={**child_env(), **(env or {})},
             start_new_session=True,  # Ctrl-C goes to the launcher, which stops children in order
         )
         self._ready = threading.Event()
@@ -239,7 +239,11 @@ class Cluster:
         self.worker_args, self.echo = tuple(worker_args), echo
         self.procs: dict[str, Proc] = {}
 
-    def worker(self, kind: str, worker_id: str, *extra: str) -> Proc:
+    def worker(
+        self, kind: str, worker_id: str, *extra: str, env: dict | None = None, name: str = ""
+    ) -> Proc:
+        """A worker process, kept as procs[name or worker_id]; `env` adds to its environment
+        (a multi-host group's processes share a worker id and differ in JAX_PROCESS_ID)."""
         cmd = megaserve_cmd(
             f"{kind}-worker",
             "--checkpoint", self.checkpoint,
@@ -249,7 +253,8 @@ class Cluster:
             *self.worker_args,
             *extra,
         )  # fmt: skip
-        p = self.procs[worker_id] = Proc(cmd, worker_id, self.echo)
+        name = name or worker_id
+        p = self.procs[name] = Proc(cmd, name, self.echo, env=env)
         return p
 
     def router(self, name: str, *extra: str, port: int = 0) -> Proc:

@@ -10,6 +10,7 @@ from megaserve.worker_args import (
     add_backend_argument,
     add_common_arguments,
     advertised_address,
+    parallel_from_args,
     served_model_name,
 )
 from prefill_service.engine import PrefillConfig
@@ -67,8 +68,9 @@ def add_arguments(p) -> None:
 
 
 def config_from_args(a) -> WorkerConfig:
-    """TLSConfigError for unreadable TLS files and BackendError for --backend pallas (both
-    checked before any model loads)."""
+    """TLSConfigError for unreadable TLS files, BackendError for --backend pallas and
+    MeshError for a bad --tp (all checked before any model loads; the host devices --tp
+    needs are forced here)."""
     prefill_backend(a.backend)
     return WorkerConfig(
         checkpoint=a.checkpoint,
@@ -89,5 +91,6 @@ def config_from_args(a) -> WorkerConfig:
             max_context=a.max_context,
             chunk=a.prefill_chunk,
             max_queued=a.max_queued,
+            parallel=parallel_from_args(a),
         ),
     )

@@ -20,6 +20,7 @@ from megaserve.kv.block_hash import block_hashes
 from megaserve.kv.pages import claim_pages, pages_for_tokens
 from megaserve.memory_plan import planned_pool
 from megaserve.model import LoadedModel
+from megaserve.parallel.mesh import ParallelConfig
 from megaserve.runner.base import Runner
 from megaserve.runner.batch import TokenBatch
 from megaserve.runner.buckets import StepConfig
@@ -38,6 +39,8 @@ class PrefillConfig:
     chunk: int = 256
     max_batch: int = 8  # prompts in flight (holding pages); one call takes up to this many
     max_queued: int = 64  # prompts waiting for a batch row; beyond it NoCapacity
+    # --tp: the model and pool over this many devices (the XLA programs under shard_map).
+    parallel: ParallelConfig = ParallelConfig()
 
     def __post_init__(self):
         for name in ("max_batch", "max_queued", "chunk"):
@@ -105,7 +108,9 @@ class PrefillEngine:
         mc = model.cfg
         # Checked before the pool is allocated (exit 2 naming the terms when it cannot fit),
         # and again after warm-up with every weight copy and the largest program temp.
-        self.memory, self.pool = planned_pool(model, cfg.page_size, cfg.kv_budget_bytes)
+        self.memory, self.pool = planned_pool(
+            model, cfg.page_size, cfg.kv_budget_bytes, cfg.parallel
+        )
         self.alloc = PageAllocator(self.pool.num_pages, cfg.page_size)
         self.max_pages = math.ceil(cfg.max_context / cfg.page_size)
         self.runner = make_runner(
@@ -115,6 +120,7 @@ class PrefillEngine:
             self.pool,
             step_config(cfg, self.max_pages),
             backend="xla",  # prefill programs are XLA on every backend today
+            parallel=cfg.parallel,
         )
         self._queue: queue.Queue[_Job] = queue.Queue()
         self._submit_lock = threading.Lock()  # the queue bound's check and put, together

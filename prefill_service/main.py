@@ -7,7 +7,7 @@ import sys
 
 import structlog
 
-from megaserve.errors import BackendError
+from megaserve.errors import BackendError, MeshError
 from megaserve.grpc_server import serve_until_signal
 from megaserve.memory_plan import MemoryPlanError
 from megaserve.model import LoadedModel, serving_dtype
@@ -23,7 +23,10 @@ log = structlog.get_logger("megaserve.prefill")
 
 
 async def serve(cfg: WorkerConfig) -> None:
-    model = LoadedModel.load(cfg.checkpoint, serving_dtype(cfg.dtype), progress=False)
+    devices = cfg.engine.parallel.devices  # several: the runner splits host weights
+    model = LoadedModel.load(
+        cfg.checkpoint, serving_dtype(cfg.dtype), progress=False, on_device=devices == 1
+    )
     engine = PrefillEngine(model, cfg.engine)
     if cfg.warm_up:  # before the health service exists: nothing reports SERVING meanwhile
         await asyncio.to_thread(engine.warm_up)
@@ -47,6 +50,7 @@ async def serve(cfg: WorkerConfig) -> None:
             s["page_size"],
             cfg.engine.max_context,
             model.cfg.vocab_size,
+            tp=cfg.engine.parallel.tp,
         )
 
     hb = (
@@ -73,12 +77,13 @@ def main(a) -> int:
     try:
         cfg = config_from_args(a)  # before the model loads: a bad TLS file fails at once
         log.info("backend", backend="xla", why=prefill_backend(a.backend)[1])
-    except (TLSConfigError, BackendError) as e:
+    except (TLSConfigError, BackendError, MeshError) as e:
         print(f"megaserve prefill-worker: error: {e}", file=sys.stderr, flush=True)
         return 2
     try:
         asyncio.run(serve(cfg))
-    except MemoryPlanError as e:  # weights + pool + program temps exceed the device
+    # weights + pool + program temps exceed the device; a --tp the model cannot split into
+    except (MemoryPlanError, MeshError) as e:
         print(f"megaserve prefill-worker: error: {e}", file=sys.stderr, flush=True)
         return 2
     return 0

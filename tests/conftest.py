@@ -8,15 +8,15 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+from megaserve import compile_cache  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
 
-jax.config.update("jax_compilation_cache_dir", str(REPO / ".cache" / "jax"))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+compile_cache.configure_jax()  # the user's shared cache: a fresh clone's run starts warm
 
 # The transformers reference environment (Python 3.11, `make ref-env`).
 REF_PYTHON = REPO / ".venv-ref" / "bin" / "python"

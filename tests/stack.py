@@ -25,6 +25,18 @@ CORPUS = [
 def make_chat_checkpoint(d: Path, vocab: int = 384, seed: int = 3) -> Path:
     """Writes an HF directory the router and workers load like a real model."""
     from safetensors.numpy import save_file
+
+    tok = write_tokenizer(d, vocab)
+    hf = tiny_llama_config(vocab_size=tok.get_vocab_size(), max_position_embeddings=2048)
+    hf["eos_token_id"] = tok.token_to_id("<|im_end|>")
+    (d / "config.json").write_text(json.dumps(hf))
+    save_file(random_tensors(hf, seed=seed), str(d / "model.safetensors"))
+    return d
+
+
+def write_tokenizer(d: Path, vocab: int = 384, pad_to: int = 0):
+    """A byte-level BPE tokenizer trained on CORPUS (ChatML specials) in d; `pad_to`: filler
+    tokens up to that many ids, for a model whose vocabulary is larger. Returns it."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     d.mkdir(parents=True, exist_ok=True)
@@ -38,14 +50,11 @@ def make_chat_checkpoint(d: Path, vocab: int = 384, seed: int = 3) -> Path:
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer)
+    tok.add_tokens([f"<filler_{i}>" for i in range(pad_to - tok.get_vocab_size())])
     tok.save(str(d / "tokenizer.json"))
     conf = {"bos_token": None, "eos_token": "<|im_end|>", "chat_template": CHATML}
     (d / "tokenizer_config.json").write_text(json.dumps(conf))
-    hf = tiny_llama_config(vocab_size=tok.get_vocab_size(), max_position_embeddings=2048)
-    hf["eos_token_id"] = tok.token_to_id("<|im_end|>")
-    (d / "config.json").write_text(json.dumps(hf))
-    save_file(random_tensors(hf, seed=seed), str(d / "model.safetensors"))
-    return d
+    return tok
 
 
 class Stack(Cluster):
@@ -150,3 +159,40 @@ def counters_moved(before: dict[str, int], after: dict[str, int]) -> dict[str, i
 def tokens_equal_report(a: list[int], b: list[int]) -> str:
     n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     return f"first difference at {n}: {a[n : n + 5]} vs {b[n : n + 5]} (lengths {len(a)}, {len(b)})"
+
+
+async def disagg_generate(d_addr, p_addr, rid, prompt, n, sp, transport=0):
+    """What the router does: the hand-off (reserve on D, prefill on P into it), then stream
+    n tokens (EOS ignored) from D; returns (ReserveResponse, PrefillResponse, tokens).
+    p_addr None: no hand-off, D prefills the prompt itself (co-located; Nones returned)."""
+    from megaserve.rpc import decode_pb2
+    from router.workers import WorkerClients, handoff
+
+    clients = WorkerClients()
+    try:
+        sampling = sp.to_proto(decode_pb2.SamplingParams)
+        h = None
+        if p_addr is not None:
+            h = await handoff(clients, d_addr, p_addr, rid, prompt, sampling, transport=transport)
+        req = decode_pb2.GenerateRequest(
+            request_id=rid,
+            prompt_token_ids=prompt,
+            sampling=sampling,
+            stopping=decode_pb2.StoppingParams(max_tokens=n, ignore_eos=True),
+        )
+        toks = [t async for r in clients.decode(d_addr).Generate(req) for t in r.token_ids]
+        return (h.reserve, h.prefill, toks) if h else (None, None, toks)
+    finally:
+        await clients.close()
+
+
+def solo_generator(checkpoint, page_size: int, max_context: int, prefill_chunk: int):
+    """One device, in this process: the tokens a multi-device or disaggregated run must
+    give (`OfflineGenerator` over the checkpoint)."""
+    from megaserve.model import LoadedModel
+    from megaserve.offline import OfflineGenerator
+
+    model = LoadedModel.load(str(checkpoint), progress=False)
+    return OfflineGenerator(
+        model, page_size=page_size, max_context=max_context, prefill_chunk=prefill_chunk
+    )

@@ -48,6 +48,13 @@ PENDING_COMMANDS: set[str] = set()
 # Secrets created outside the manifests (README); everything else must exist in the render.
 EXTERNAL_SECRETS = {"megaserve-tls", "megaserve-api-token"}
 TPU_CHIPS_PER_HOST = {"tpu7x": 4}  # tpu7x-standard-4t: 4 chips per VM
+TPU_DEVICES_PER_CHIP = {"tpu7x": 2}  # each TensorCore is a JAX device
+# What a multi-host decode worker reads to join its group (megaserve/parallel/distributed.py).
+GROUP_ENV = {
+    "JAX_COORDINATOR_ADDRESS": "$(LWS_LEADER_ADDRESS):",
+    "JAX_NUM_PROCESSES": "$(LWS_GROUP_SIZE)",
+    "JAX_PROCESS_ID": "$(LWS_WORKER_INDEX)",
+}
 LOADBALANCER_KEYS = {
     "prefill_policy": str,
     "decode_policy": str,
@@ -215,12 +222,29 @@ def check_resources(objs: list[dict]) -> list[str]:
     return problems
 
 
+def followers(objs: list[dict]) -> set[str]:
+    """Owners of the follower pods of LeaderWorkerSets whose leader has its own template:
+    followers of a multi-host group run no server (megaserve/parallel/group.py)."""
+    out = set()
+    for o in objs:
+        if o["apiVersion"] == LWS_API and "leaderTemplate" in o["spec"]["leaderWorkerTemplate"]:
+            out.add(f"LeaderWorkerSet/{o['metadata']['name']}[workerTemplate]")
+    return out
+
+
 def check_probes(objs: list[dict]) -> list[str]:
     """A gRPC server probes the port it serves: native gRPC probes in plaintext, TCP with TLS
-    (the kubelet's gRPC probe cannot speak TLS); workers also get a startup probe."""
+    (the kubelet's gRPC probe cannot speak TLS); workers also get a startup probe. A group's
+    followers serve nothing: no probes."""
     problems = []
+    silent = followers(objs)
     for owner, _, c in containers(objs):
         where = f"{owner}/{c['name']}"
+        if owner in silent:
+            probes = [p for p in ("startupProbe", "readinessProbe", "livenessProbe") if p in c]
+            if probes:
+                problems.append(f"{where}: a follower serves nothing to probe: {probes}")
+            continue
         declared = {p["containerPort"] for p in c.get("ports", [])}
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             for handler in ("grpc", "tcpSocket", "httpGet"):
@@ -471,7 +495,39 @@ def check_model_names(objs: list[dict]) -> list[str]:
     return problems
 
 
+def check_groups(objs: list[dict]) -> list[str]:
+    """Every decode container of a LeaderWorkerSet joins its group: the JAX_* variables from
+    the LWS ones, and --tp = size x the devices of one host (the mesh spans the group)."""
+    problems = []
+    for o in objs:
+        if o["apiVersion"] != LWS_API:
+            continue
+        lwt = o["spec"]["leaderWorkerTemplate"]
+        for role in ("leaderTemplate", "workerTemplate"):
+            if role not in lwt:
+                continue
+            where = f"LeaderWorkerSet/{o['metadata']['name']}[{role}]"
+            spec = lwt[role]["spec"]
+            acc = spec.get("nodeSelector", {}).get("cloud.google.com/gke-tpu-accelerator")
+            for c in spec["containers"]:
+                if not is_server(c) or c["args"][0] != "decode-worker":
+                    continue
+                env = {e["name"]: e.get("value", "") for e in c.get("env", [])}
+                bad = {
+                    k: env.get(k) for k, v in GROUP_ENV.items() if not env.get(k, "").startswith(v)
+                }
+                if bad:
+                    problems.append(f"{where}/{c['name']}: group variables {bad}")
+                per_host = TPU_CHIPS_PER_HOST.get(acc, 0) * TPU_DEVICES_PER_CHIP.get(acc, 0)
+                want = str(lwt.get("size", 1) * per_host)
+                tp = flag_value(args_of(where, c), "--tp")
+                if per_host and tp != want:
+                    problems.append(f"{where}/{c['name']}: --tp {tp}, the group has {want} devices")
+    return problems
+
+
 INVARIANTS = [
+    check_groups,
     check_model_names,
     check_resources,
     check_probes,
@@ -541,7 +597,8 @@ def test_overlay_shapes(rendered):
     tls = rendered["gke-tpu7x-tls"]
     assert by(tls, "Service", "megaserve-router")["spec"]["type"] == "LoadBalancer"
     servers = [(o, c) for o, _, c in containers(tls) if is_server(c)]
-    assert len(servers) == 3 and all(flag_value(c["args"], "--tls-cert") for _, c in servers)
+    # router, prefill, and the decode group's leader and followers (they read the same flags)
+    assert len(servers) == 4 and all(flag_value(c["args"], "--tls-cert") for _, c in servers)
 
 
 def test_redis_persistence_and_sentinel(rendered):
@@ -769,6 +826,31 @@ def _set_env(c: dict, name: str, value: str) -> None:
             lambda o: o["spec"]["leaderWorkerTemplate"].update(size=3),
         ),
         (
+            check_groups,
+            "gke-tpu7x",
+            "LeaderWorkerSet",
+            "megaserve-decode-mh",
+            lambda o: _set_arg(first_container(o), "--tp", "8"),
+        ),
+        (
+            check_groups,
+            "gke-tpu7x+redis-sentinel",
+            "LeaderWorkerSet",
+            "megaserve-decode-mh",
+            lambda o: _set_env(
+                o["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"][0],
+                "JAX_PROCESS_ID",
+                "0",
+            ),
+        ),
+        (
+            check_probes,
+            "gke-tpu7x-tls",
+            "LeaderWorkerSet",
+            "megaserve-decode-mh",
+            lambda o: first_container(o).update(readinessProbe={"tcpSocket": {"port": 50061}}),
+        ),
+        (
             check_selectors,
             "base",
             "PodDisruptionBudget",
@@ -812,6 +894,9 @@ def _set_env(c: dict, name: str, value: str) -> None:
         "grpc-probe-under-tls",
         "tpu-request",
         "lws-size",
+        "group-tp",
+        "group-process-id",
+        "follower-probe",
         "pdb-selector",
         "service-targetport",
         "env-undefined",

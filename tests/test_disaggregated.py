@@ -12,12 +12,12 @@ from decode_service.engine import DecodeEngine, EngineConfig, wait_idle
 from decode_service.scheduler import SchedulerConfig
 from decode_service.server import create_server as create_decode
 from megaserve.offline import OfflineGenerator
-from megaserve.rpc import decode_pb2, prefill_pb2, prefill_pb2_grpc
+from megaserve.rpc import prefill_pb2, prefill_pb2_grpc
 from megaserve.sampling_params import SamplingParams
 from megaserve.server_thread import ServerThread
 from prefill_service.engine import PrefillConfig, PrefillEngine
 from prefill_service.server import create_server as create_prefill
-from router.workers import WorkerClients, handoff
+from tests.stack import disagg_generate as _disagg
 
 
 @pytest.fixture(scope="module")
@@ -34,24 +34,6 @@ def stack(tiny_model):
     yield dec, pre, d_addr, p_addr, servers.results[1][3]
     servers.stop()
     dec.stop()
-
-
-async def _disagg(d_addr, p_addr, rid, prompt, n, sp: SamplingParams, transport=0):
-    """What the router does: the hand-off (reserve on D, prefill on P into it), stream from D."""
-    clients = WorkerClients()
-    try:
-        sampling = sp.to_proto(decode_pb2.SamplingParams)
-        h = await handoff(clients, d_addr, p_addr, rid, prompt, sampling, transport=transport)
-        req = decode_pb2.GenerateRequest(
-            request_id=rid,
-            prompt_token_ids=prompt,
-            sampling=sampling,
-            stopping=decode_pb2.StoppingParams(max_tokens=n, ignore_eos=True),
-        )
-        toks = [t async for r in clients.decode(d_addr).Generate(req) for t in r.token_ids]
-        return h.reserve, h.prefill, toks
-    finally:
-        await clients.close()
 
 
 TRANSPORTS = [prefill_pb2.TRANSPORT_GRPC, prefill_pb2.TRANSPORT_JAX_TRANSFER]

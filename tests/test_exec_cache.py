@@ -5,6 +5,7 @@ deserialized executable: `NOT_FOUND: Function copy_bitcast_fusion.5 not found`).
 
 from __future__ import annotations
 
+import os
 import time
 from functools import partial
 
@@ -123,3 +124,20 @@ def test_an_unreadable_entry_is_dropped_and_compiled_again(cache_dir):
     path.write_bytes(b"torn write")
     assert isinstance(compile_program(p), jax.stages.Compiled)
     assert isinstance(compile_program(p), LoadedProgram)  # the entry was written again
+
+
+def test_the_shared_cache_is_per_user_and_bounded(tmp_path, monkeypatch):
+    from megaserve import compile_cache
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert compile_cache.shared_cache_root() == tmp_path / "megaserve" / "jax"
+    env = compile_cache.cache_env({"JAX_COMPILATION_CACHE_DIR": "/elsewhere"})
+    assert env["JAX_COMPILATION_CACHE_DIR"] == "/elsewhere"  # a chosen directory is kept
+    assert int(env["JAX_COMPILATION_CACHE_MAX_SIZE"]) == compile_cache.JAX_CACHE_MAX_BYTES
+    # The executable cache drops its oldest entries past its bound.
+    for i in range(5):
+        f = tmp_path / f"{i}.bin"
+        f.write_bytes(b"x" * 100)
+        os.utime(f, (i, i))
+    exec_cache._prune(tmp_path, 250)
+    assert sorted(f.name for f in tmp_path.glob("*.bin")) == ["3.bin", "4.bin"]

@@ -56,3 +56,18 @@ def test_reregisters_after_redis_restart(redis_server):
     assert _wait(lambda: r.exists(worker_key("d0")))
     hb.stop()
     assert not r.exists(worker_key("d0"))
+
+
+def test_withdrawn_while_not_alive(redis_server):
+    """A worker whose alive() is False (a multi-host leader's stuck group) deletes its record
+    at once and writes it back whole when alive again."""
+    r = redis.Redis.from_url(redis_server.url)
+    alive = [True]
+    hb = Heartbeat(redis_server.url, _info, interval=0.05, ttl=60, alive=lambda: alive[0]).start()
+    assert _wait(lambda: r.exists(worker_key("d0")))
+    alive[0] = False
+    assert _wait(lambda: not r.exists(worker_key("d0")) and hb.paused)
+    assert not r.sismember(workers_set("decode"), "d0")
+    alive[0] = True
+    assert _wait(lambda: r.exists(worker_key("d0")) and not hb.paused)
+    hb.stop()

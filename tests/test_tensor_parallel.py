@@ -20,7 +20,7 @@ from megaserve.parallel.mesh import (
     make_mesh,
     with_device_count,
 )
-from tests.conftest import FIXTURES, REPO, tiny_llama_config, tiny_moe_config
+from tests.conftest import FIXTURES, REPO, tiny_llama_config
 from tests.parity import rel_err
 
 # Logits of tp shards against one device: the row-parallel matmuls sum their partial
@@ -145,18 +145,11 @@ def test_shard_major_layout_gives_each_shard_its_heads():
     assert blocks.tolist() == [[0, 10, 20], [1, 10, 20], [2, 11, 21], [3, 11, 21]]
 
 
-def test_config_values_and_ep_are_checked():
+def test_config_values_are_checked():
     for bad in ({"tp": 0}, {"ep": 0}, {"tp": 2.0}):
         with pytest.raises(MeshError, match="must be an integer >= 1"):
             ParallelConfig(**bad)
-    with pytest.raises(NotImplementedError, match="ep=2"):
-        make_mesh(ParallelConfig(ep=2))
-    from kernels.qwen3_moe import Qwen3MoeConfig
-
-    moe = Qwen3MoeConfig.from_hf(tiny_moe_config())
-    with pytest.raises(MeshError, match="tp=2: tensor parallelism is implemented for the Llama"):
-        ParallelConfig(tp=2).check_model(moe)
-    assert ParallelConfig().check_model(moe).tp == 1
+    # Expert parallelism's checks: tests/test_expert_parallel.py.
 
 
 def test_host_device_flag_is_appended_or_raised():
@@ -175,3 +168,5 @@ def test_too_few_devices_after_jax_started_is_a_clear_error():
         ensure_host_devices(64)
     with pytest.raises(MeshError, match="tp=64 needs 64 devices"):
         make_mesh(ParallelConfig(tp=64))
+    with pytest.raises(MeshError, match="tp=2 x ep=4 needs 8 devices"):
+        make_mesh(ParallelConfig(tp=2, ep=4))

@@ -12,28 +12,29 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from megaserve import compile_cache  # noqa: E402
 from megaserve.model import LoadedModel  # noqa: E402
 from megaserve.offline import OfflineGenerator  # noqa: E402
 from megaserve.parallel.mesh import ParallelConfig  # noqa: E402
 from megaserve.runner.batch import TokenBatch  # noqa: E402
 from megaserve.sampling_params import SamplingParams  # noqa: E402
-from tests.conftest import FIXTURES, REPO  # noqa: E402
+from tests.conftest import FIXTURES  # noqa: E402
 
-jax.config.update("jax_compilation_cache_dir", str(REPO / ".cache" / "jax"))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+compile_cache.configure_jax()
 
 SAMPLED = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=7)
 
 
-def run_one(model: LoadedModel, ref: dict, tp: int, steps: int, logprobs: bool) -> dict:
+def run_one(model: LoadedModel, ref: dict, mesh: str, steps: int, logprobs: bool) -> dict:
     """Greedy and sampled tokens, prefill logits at two lengths, two decode steps' logits
-    and (logprobs) the prompt's log-probabilities."""
+    and (logprobs) the prompt's log-probabilities. mesh: "tp" or "tpxep" ("2x4")."""
     prompt, want = ref["prompt_ids"], ref["greedy_ids"]
+    tp, _, ep = mesh.partition("x")
     gen = OfflineGenerator(
         model,
         max_context=len(prompt) + len(want) + 8,
         steps_per_call=steps,
-        parallel=ParallelConfig(tp=tp),
+        parallel=ParallelConfig(tp=int(tp), ep=int(ep or 1)),
     )
     greedy = gen.generate(prompt, len(want), ignore_eos=True).token_ids
     sampled = gen.generate(prompt, 8, SAMPLED, ignore_eos=True).token_ids
@@ -60,10 +61,10 @@ def run_one(model: LoadedModel, ref: dict, tp: int, steps: int, logprobs: bool) 
 
 
 def main(argv: list[str]) -> None:
-    """argv: fixture names, `--tp 2 4`, `--steps N` (decode steps per call), then optionally
-    `--logprobs` (score the prompt too)."""
+    """argv: fixture names, `--tp 2 4` (or tp x ep meshes: `--tp 2x4 1x2`), `--steps N`
+    (decode steps per call), then optionally `--logprobs` (score the prompt too)."""
     names = argv[: argv.index("--tp")]
-    tps = [int(x) for x in argv[argv.index("--tp") + 1 : argv.index("--steps")]]
+    meshes = argv[argv.index("--tp") + 1 : argv.index("--steps")]
     steps = int(argv[argv.index("--steps") + 1])
     out = {"devices": jax.device_count()}
     for name in names:
@@ -71,8 +72,8 @@ def main(argv: list[str]) -> None:
         ref = json.loads((d / "reference.json").read_text())
         model = LoadedModel.load(str(d), progress=False)
         out[name] = {"want": ref["greedy_ids"]}
-        for tp in (1, *tps):
-            out[name][str(tp)] = run_one(model, ref, tp, steps, "--logprobs" in argv)
+        for mesh in ("1", *meshes):
+            out[name][mesh] = run_one(model, ref, mesh, steps, "--logprobs" in argv)
     print(json.dumps(out))
 
 

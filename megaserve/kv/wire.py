@@ -16,7 +16,10 @@ from megaserve.rpc import kv_transfer_pb2
 # 188.7 MB on loopback ran at 1.34 / 1.67 / 1.74 / 0.77 GB/s with 1 / 4 / 16 / 64 MiB
 # messages (`megaserve bench disagg --raw-only` prints the ceiling of this size).
 MAX_CHUNK_BYTES = 16 << 20
-LAYOUT_VERSION = 1  # chunk payload: row-major [2 (K, V), layers, pages, page_size, heads, dim]
+# Chunk payload: row-major [2 (K, V), layers, pages, page_size, heads, dim], the heads those
+# of the model (each once, in order) whatever the sender's mesh: a tensor-parallel pool
+# drops its replicas on the way out and re-splits on the way in (megaserve.parallel.tp_pool).
+LAYOUT_VERSION = 1
 
 
 class TransferError(ValueError):
@@ -88,8 +91,9 @@ def check_header(h: kv_transfer_pb2.KVHeader, geo: PageGeometry) -> None:
         raise TransferError(f"page_size={h.page_size}, the pool's pages hold {geo.page_size}")
     if (h.head_start, h.head_end) != (0, geo.kv_heads):
         raise TransferError(
-            f"KV heads [{h.head_start}, {h.head_end}): this receiver holds all "
-            f"[0, {geo.kv_heads}) (re-splitting heads across meshes is not supported yet)"
+            f"KV heads [{h.head_start}, {h.head_end}): this receiver's model has "
+            f"{geo.kv_heads}, sent whole as [0, {geo.kv_heads}) in the one-device layout "
+            "(whatever either side's mesh)"
         )
     if h.head_dim != geo.head_dim:
         raise TransferError(f"head_dim={h.head_dim}, the pool's heads have {geo.head_dim}")

@@ -12,7 +12,9 @@ import numpy as np
 from jax.sharding import Mesh
 
 from kernels.llama import LlamaConfig
-from kernels.tp_llama import AXIS, TpLayout, tp_layout
+from kernels.qwen3_moe import Qwen3MoeConfig
+from kernels.tp_llama import AXIS, EP_AXIS, TpLayout, tp_layout
+from kernels.tp_moe import expert_layout
 from megaserve.errors import MeshError
 
 HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
@@ -32,7 +34,11 @@ class ParallelConfig:
       Hkv / tp), the same factor on k/v projection weights, and the replicas compute the
       same K/V: per device it is one KV head, so a device's KV bytes per token never drop
       below 2 x L x head_dim x dtype.
-    ep: expert parallelism (Qwen3-MoE), not implemented yet: `make_mesh` refuses ep > 1.
+    ep: expert parallelism (Qwen3-MoE): each device holds num_experts / ep whole experts
+      (of which, with tp > 1, its tp shard's gate|up columns and down rows), the router
+      replicated; attention, dense layers, the lm_head and the KV pool are split over tp
+      and replicated on the ep shards. ep must divide num_experts, tp
+      moe_intermediate_size. A routed layer's output is one psum over all tp x ep devices.
     """
 
     tp: int = 1
@@ -49,14 +55,21 @@ class ParallelConfig:
         return self.tp * self.ep
 
     def check_model(self, cfg: Any) -> TpLayout:
-        """The shard plan for cfg; MeshError naming the numbers when tp does not fit it."""
-        if self.tp > 1 and type(cfg) is not LlamaConfig:
+        """The shard plan for cfg; MeshError naming the numbers when tp or ep does not fit."""
+        moe = type(cfg) is Qwen3MoeConfig
+        if self.devices > 1 and type(cfg) is not LlamaConfig and not moe:
             raise MeshError(
-                f"tp={self.tp}: tensor parallelism is implemented for the Llama family only "
-                f"(model_type {cfg.model_type!r} comes in a later slice)"
+                f"tp={self.tp} x ep={self.ep}: parallelism is implemented for the Llama family "
+                f"and Qwen3-MoE only (model_type {cfg.model_type!r} comes in a later slice)"
+            )
+        if self.ep > 1 and not moe:
+            raise MeshError(
+                f"ep={self.ep}: expert parallelism needs a mixture-of-experts model "
+                f"(model_type {cfg.model_type!r} has no experts)"
             )
         try:
-            return tp_layout(cfg, self.tp)
+            lay = tp_layout(cfg, self.tp)
+            return expert_layout(cfg, lay, self.ep) if moe else lay
         except ValueError as e:
             raise MeshError(str(e)) from e
 
@@ -99,14 +112,18 @@ def ensure_host_devices(n: int) -> None:
     os.environ["XLA_FLAGS"] = with_device_count(os.environ.get("XLA_FLAGS", ""), n)
 
 
-def make_mesh(cfg: ParallelConfig) -> Mesh:
-    """The first tp devices of this process as a mesh with the axis ("tp",)."""
-    if cfg.ep > 1:
-        raise NotImplementedError(f"ep={cfg.ep}: expert parallelism is a later slice")
-    devices = jax.devices()
-    if len(devices) < cfg.tp:
+def make_mesh(cfg: ParallelConfig, devices: list | None = None) -> Mesh:
+    """The first tp x ep devices of this process as a [tp, ep] mesh, axes ("tp", "ep").
+
+    A tp group (one ep index) is tp consecutive devices: the psum every layer runs stays
+    among neighbours (on tpu7x, at tp=2, the two TensorCores of one chip). devices: this
+    process's by default; a compile-only topology's (`megaserve kernels compile --topology`)."""
+    devices = jax.devices() if devices is None else devices
+    if len(devices) < cfg.devices:
+        shape = f"tp={cfg.tp}" + (f" x ep={cfg.ep}" if cfg.ep > 1 else "")
         raise MeshError(
-            f"tp={cfg.tp} needs {cfg.tp} devices; this process has {len(devices)} "
+            f"{shape} needs {cfg.devices} devices; this process has {len(devices)} "
             f"{jax.default_backend()} device(s)"
         )
-    return Mesh(np.asarray(devices[: cfg.tp]), (AXIS,))
+    grid = np.asarray(devices[: cfg.devices]).reshape(cfg.ep, cfg.tp).T  # [tp, ep]
+    return Mesh(grid, (AXIS, EP_AXIS))

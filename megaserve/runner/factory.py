@@ -64,7 +64,7 @@ def make_runner(
     """The runner for a --backend value (None = auto), logging which and why; `pallas` off
     TPU runs the megakernel in the TPU interpreter. `vmem_budget` caps the megakernel's plan;
     `matmul_dtype` sets its matmul inputs (None: bf16). `parallel` with tp > 1: the XLA step
-    over a tensor-parallel mesh (the pool from `megaserve.runner.tp.tp_pool`)."""
+    over a tensor-parallel mesh (the pool from `megaserve.parallel.tp_pool.tp_pool`)."""
     step_cfg = step_cfg or StepConfig()
     if parallel is not None and parallel.devices > 1:
         return _tp_runner(family, cfg, params, pool, step_cfg, backend, parallel)
@@ -89,7 +89,8 @@ def _tp_runner(family, cfg, params, pool, step_cfg, backend, parallel) -> Runner
             f"--backend pallas with tp={parallel.tp}: the megakernel runs on one device "
             "(megakernel tensor parallelism is a later slice)"
         )
-    log.info("backend", backend="xla", why=f"tp={parallel.tp}: the XLA step under shard_map")
+    mesh = f"tp={parallel.tp} x ep={parallel.ep}"
+    log.info("backend", backend="xla", why=f"{mesh}: the XLA step under shard_map")
     from megaserve.runner.tp import TpXlaRunner
 
     return TpXlaRunner(family, cfg, params, pool, step_cfg, parallel=parallel)

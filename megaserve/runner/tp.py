@@ -6,14 +6,10 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from kernels.kv_cache import KVPool
 from kernels.tp_llama import (
     KV_SPEC,
-    local_pool_row,
     param_specs,
     shard_major_params,
     shard_params,
@@ -29,31 +25,14 @@ from megaserve.runner.xla import XlaRunner
 from megaserve.sampling_params import MAX_LOGPROBS
 
 
-def tp_pool(
-    cfg: Any, parallel: ParallelConfig, num_pages: int, page_size: int, dtype: Any
-) -> KVPool:
-    """A zero KV pool split by KV heads over `make_mesh(parallel)`.
-
-    Global arrays [L, num_pages, page_size, tp * row_local], device i holding columns i (its
-    KV heads: with Hkv >= tp the global row is the one-device row, heads in order; with
-    replicated heads it holds tp heads, each Hkv-th repeated). `num_kv_heads` is the stored
-    count (`TpLayout.stored_kv_heads`), so page reads and writes see whole global rows.
-    """
-    lay = parallel.check_model(cfg)
-    mesh = make_mesh(parallel)
-    row = local_pool_row(cfg, lay, mesh.devices.flat[0].platform)
-    shape = (cfg.num_layers, num_pages, page_size, lay.tp * row)
-    # Made in place on each device: no whole pool on one device first.
-    zeros = jax.jit(partial(jnp.zeros, shape, dtype), out_shardings=NamedSharding(mesh, KV_SPEC))
-    return KVPool(zeros(), zeros(), lay.stored_kv_heads, cfg.head_dim)
-
-
 @dataclass
 class TpXlaRunner(XlaRunner):
-    """`XlaRunner` whose programs run under shard_map over `parallel.tp` devices.
+    """`XlaRunner` whose programs run under shard_map over `parallel.tp` x `parallel.ep`
+    devices (ep > 1: Qwen3-MoE's experts split over ep, `kernels.tp_moe`).
 
-    The pool must come from `tp_pool` (same config). Its calls, buckets and program set are
-    XlaRunner's; returned logits are the gathered rows, as on one device.
+    The pool must come from `megaserve.parallel.tp_pool.tp_pool` (same config). Its calls,
+    buckets and program set are XlaRunner's; returned logits are the gathered rows, as on
+    one device.
     """
 
     parallel: ParallelConfig = ParallelConfig()

@@ -170,7 +170,12 @@ class XlaRunner(Runner):
         """Next tokens of penalized rows: the `pick` program on the step's logits."""
         b = logits.shape[0]
         s = sampling.padded(b)
-        return np.asarray(self._run("pick", (b,), self._pick, logits, s, pos.astype(np.int32)))
+        if isinstance(logits, jax.Array) and len(logits.sharding.device_set) > 1:
+            # `pick` is built for one device (warm-up lowers it from unsharded shapes): a
+            # mesh's logits come through the host (penalized rows are rare). In a multi-host
+            # group every process picks alike from the same gathered logits.
+            logits = to_host(logits)
+        return to_host(self._run("pick", (b,), self._pick, logits, s, pos.astype(np.int32)))
 
     def _prefill_inputs(self, batch: TokenBatch, tb: int) -> tuple:
         """(rows bucket, tokens, positions, page table, last index) padded for a prefill."""
@@ -193,7 +198,7 @@ class XlaRunner(Runner):
         )  # fmt: skip
         if sampling.counts is not None:
             nxt = self._penalized_pick(logits, sampling, pos[np.arange(b), last] + 1)
-        return np.asarray(nxt)[:n], np.asarray(logits)[:n]
+        return to_host(nxt)[:n], to_host(logits)[:n]
 
     def prefill_with_logprobs(
         self, batch: TokenBatch, sampling: SamplingArrays, targets: np.ndarray
@@ -208,10 +213,8 @@ class XlaRunner(Runner):
         )  # fmt: skip
         if sampling.counts is not None:
             nxt = self._penalized_pick(logits, sampling, pos[np.arange(b), last] + 1)
-        scores = PositionLogprobs(
-            np.asarray(target)[:n], np.asarray(top_ids)[:n], np.asarray(top)[:n]
-        )
-        return np.asarray(nxt)[:n], np.asarray(logits)[:n], scores
+        scores = PositionLogprobs(to_host(target)[:n], to_host(top_ids)[:n], to_host(top)[:n])
+        return to_host(nxt)[:n], to_host(logits)[:n], scores
 
     def decode_call(self, p: PaddedDecode, s: dict, n_steps: int):
         """One decode program call: (i32[n, B] tokens, f32[n, B, V] logits); pool updated."""
@@ -234,8 +237,8 @@ class XlaRunner(Runner):
         b = len(p.tokens)
         if sampling.counts is None:
             toks, logits = self.decode_call(p, sampling.padded(b), n_steps)
-            toks = np.asarray(toks)[:, : p.rows]
-            return toks, (np.asarray(logits)[:, : p.rows] if want_logits else None)
+            toks = to_host(toks)[:, : p.rows]
+            return toks, (to_host(logits)[:, : p.rows] if want_logits else None)
         # Penalized rows: one step per call, the next token picked from the logits with the
         # counts so far, which then count it.
         plain = sampling.without_counts().padded(b)
@@ -245,11 +248,22 @@ class XlaRunner(Runner):
             nxt = self._penalized_pick(logits[0], sampling, p.positions + 1)
             out_t.append(nxt[: p.rows])
             if want_logits:
-                out_l.append(np.asarray(logits[0])[: p.rows])
+                out_l.append(to_host(logits[0])[: p.rows])
             sampling = sampling.counted(nxt[: p.rows])
             pos = np.where(p.positions >= 0, p.positions + 1, -1).astype(np.int32)
             p = replace(p, tokens=nxt.astype(np.int32), positions=pos)
         return np.stack(out_t), (np.stack(out_l) if want_logits else None)
+
+
+def to_host(x) -> np.ndarray:
+    """A program output on the host. One spread over several processes' devices (a multi-host
+    group's vocab-sharded logits) is all-gathered first: a collective, which every process
+    of the group reaches too, since they all run the same runner calls."""
+    if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
 
 
 def _sds(shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
