@@ -9,6 +9,7 @@ import structlog
 
 from decode_service.config import WorkerConfig
 from decode_service.worker_engine import build_engine
+from megaserve.logs import announce
 from megaserve.parallel.group import PoolLost, follow
 from megaserve.parallel.step_channel import StepChannel
 
@@ -22,7 +23,7 @@ def follow_leader(cfg: WorkerConfig) -> int:
     g = cfg.group
     # The leader drains on SIGTERM and needs every follower meanwhile; its STOP ends this one.
     signal.signal(signal.SIGTERM, lambda *_: log.info("SIGTERM: following until the leader stops"))
-    print(f"READY decode follower {cfg.worker_id} process={g.process_id}/{g.processes}", flush=True)
+    announce(f"READY decode follower {cfg.worker_id} process={g.process_id}/{g.processes}")
     log.info("following", worker_id=cfg.worker_id, process=g.process_id, processes=g.processes)
     try:
         calls = follow(engine, StepChannel())

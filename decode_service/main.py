@@ -14,6 +14,7 @@ from decode_service.server import create_server
 from decode_service.worker_engine import build_engine
 from megaserve.errors import BackendError, MeshError
 from megaserve.grpc_server import serve_until_signal
+from megaserve.logs import announce
 from megaserve.memory_plan import MemoryPlanError
 from megaserve.parallel.group import lead
 from megaserve.parallel.step_channel import StepChannel
@@ -70,7 +71,7 @@ async def serve(cfg: WorkerConfig) -> None:
         else None
     )
     # One parseable line for launchers and tests.
-    print(f"READY decode worker {cfg.worker_id} grpc={address} metrics={metrics_port}", flush=True)
+    announce(f"READY decode worker {cfg.worker_id} grpc={address} metrics={metrics_port}")
     log.info("serving", worker_id=cfg.worker_id, address=address, pages=engine.alloc.num_pages)
 
     async def drain() -> None:

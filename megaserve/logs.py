@@ -99,3 +99,11 @@ def configure(level: str = "info", background: bool = False) -> None:
         # configured for the process, the background mode caches it.
         cache_logger_on_first_use=background,
     )
+
+
+def announce(line: str) -> None:
+    """Prints a line a launcher parses (READY ...) in one write: `print` writes the text
+    and its newline separately, and under PYTHONUNBUFFERED a log line from the writer
+    thread (stderr, the same pipe) could land between them, gluing itself to an address."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()

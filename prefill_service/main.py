@@ -9,6 +9,7 @@ import structlog
 
 from megaserve.errors import BackendError, MeshError
 from megaserve.grpc_server import serve_until_signal
+from megaserve.logs import announce
 from megaserve.memory_plan import MemoryPlanError
 from megaserve.model import LoadedModel, serving_dtype
 from megaserve.registration import Heartbeat
@@ -58,7 +59,7 @@ async def serve(cfg: WorkerConfig) -> None:
         if cfg.redis_url
         else None
     )
-    print(f"READY prefill worker {cfg.worker_id} grpc={address} metrics={metrics_port}", flush=True)
+    announce(f"READY prefill worker {cfg.worker_id} grpc={address} metrics={metrics_port}")
     log.info("serving", worker_id=cfg.worker_id, address=address, pages=engine.alloc.num_pages)
 
     async def stop() -> None:

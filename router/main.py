@@ -10,6 +10,7 @@ import structlog
 
 from megaserve.checkpoint import load_tokenizer
 from megaserve.grpc_server import serve_until_signal
+from megaserve.logs import announce
 from megaserve.redis_conn import SENTINEL_FORM, redact, url_argument
 from megaserve.security import (
     TOKEN_ENV,
@@ -111,7 +112,7 @@ async def serve(a) -> None:
     asyncio.get_running_loop().add_signal_handler(
         signal.SIGUSR1, lambda: log.info("request costs", **servicer.costs.summary())
     )
-    print(f"READY router {servicer.router_id} grpc={a.host}:{port}", flush=True)
+    announce(f"READY router {servicer.router_id} grpc={a.host}:{port}")
     log.info(
         "serving",
         port=port,

@@ -9,6 +9,7 @@ import os
 
 import grpc
 
+from megaserve.logs import announce
 from megaserve.rpc import decode_pb2, decode_pb2_grpc
 
 TOKEN = 7
@@ -30,7 +31,7 @@ async def serve() -> None:
     decode_pb2_grpc.add_DecodeServicer_to_server(InstantDecode(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    print(f"READY instant decode worker grpc=127.0.0.1:{port}", flush=True)
+    announce(f"READY instant decode worker grpc=127.0.0.1:{port}")
     await server.wait_for_termination()
 
 
