@@ -12,9 +12,8 @@ def build_engine(cfg: WorkerConfig) -> tuple[LoadedModel, DecodeEngine]:
     """The model and engine (not started), every program compiled with --warm-up all."""
     e = cfg.engine
     model = LoadedModel.load_for(
-        cfg.checkpoint, serving_dtype(cfg.dtype), e.backend, e.page_size,
-        devices=e.parallel.devices,
-    )  # fmt: skip
+        cfg.checkpoint, serving_dtype(cfg.dtype), e.backend, e.page_size, parallel=e.parallel
+    )
     engine = DecodeEngine(model, cfg.engine)
     if cfg.warm_up:
         engine.warm_up()

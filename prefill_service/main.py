@@ -24,9 +24,13 @@ log = structlog.get_logger("megaserve.prefill")
 
 
 async def serve(cfg: WorkerConfig) -> None:
-    devices = cfg.engine.parallel.devices  # several: the runner splits host weights
-    model = LoadedModel.load(
-        cfg.checkpoint, serving_dtype(cfg.dtype), progress=False, on_device=devices == 1
+    parallel, dtype = cfg.engine.parallel, serving_dtype(cfg.dtype)
+    # Several devices: params split as each process reads them, else host ones the runner splits.
+    model = (
+        LoadedModel.load_sharded(cfg.checkpoint, dtype, parallel) if parallel.devices > 1 else None
+    )
+    model = model or LoadedModel.load(
+        cfg.checkpoint, dtype, progress=False, on_device=parallel.devices == 1
     )
     engine = PrefillEngine(model, cfg.engine)
     if cfg.warm_up:  # before the health service exists: nothing reports SERVING meanwhile

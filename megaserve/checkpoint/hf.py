@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megaserve.checkpoint.safetensors_file import read_safetensors
+from megaserve.checkpoint.safetensors_file import TensorInfo, read_header, read_safetensors
 from megaserve.checkpoint.types import Checkpoint
 from megaserve.errors import CheckpointError
 from megaserve.progress import Progress
@@ -54,12 +54,24 @@ def eos_ids(d: Path, config: dict) -> tuple[int, ...]:
     return tuple(int(x) for x in (value if isinstance(value, list) else [value]))
 
 
-def load_hf_dir(d: Path, progress: bool = True) -> Checkpoint:
-    """Loads config.json, safetensors weights and tokenizer files from an HF directory."""
+def _config(d: Path) -> dict:
     cfg_path = d / "config.json"
     if not cfg_path.exists():
         raise CheckpointError(f"{d}: no config.json")
-    config = _read_json(cfg_path)
+    return _read_json(cfg_path)
+
+
+def _tokenizer(d: Path):
+    if not (d / "tokenizer.json").exists():
+        return None
+    from megaserve.tokenizer import TextTokenizer
+
+    return TextTokenizer.from_hf_dir(d)
+
+
+def load_hf_dir(d: Path, progress: bool = True) -> Checkpoint:
+    """Loads config.json, safetensors weights and tokenizer files from an HF directory."""
+    config = _config(d)
     files = _weight_files(d)
     tensors: dict[str, np.ndarray] = {}
     bar = Progress(f"loading {d.name}", len(files), enabled=progress and len(files) > 1)
@@ -69,9 +81,23 @@ def load_hf_dir(d: Path, progress: bool = True) -> Checkpoint:
                 raise CheckpointError(f"{f}: tensor {name!r} appears in two shards")
             tensors[name] = arr
         bar.update(i + 1)
-    tokenizer = None
-    if (d / "tokenizer.json").exists():
-        from megaserve.tokenizer import TextTokenizer
+    return Checkpoint(str(d), config, tensors, _tokenizer(d), eos_ids(d, config))
 
-        tokenizer = TextTokenizer.from_hf_dir(d)
-    return Checkpoint(str(d), config, tensors, tokenizer, eos_ids(d, config))
+
+def load_hf_meta(d: Path) -> Checkpoint:
+    """An HF directory's config, tokenizer and EOS ids with no tensors (`tensors` is empty):
+    for a loader that reads the weights itself (`megaserve.checkpoint.sharded`)."""
+    config = _config(d)
+    return Checkpoint(str(d), config, {}, _tokenizer(d), eos_ids(d, config))
+
+
+def tensor_index(d: Path) -> dict[str, TensorInfo]:
+    """Name -> where its bytes lie, over every safetensors file of an HF directory; reads
+    only the headers. CheckpointError naming a tensor found in two files."""
+    out: dict[str, TensorInfo] = {}
+    for f in _weight_files(d):
+        for name, info in read_header(f).items():
+            if name in out:
+                raise CheckpointError(f"{f}: tensor {name!r} appears in two shards")
+            out[name] = info
+    return out

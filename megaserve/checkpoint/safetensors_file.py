@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import ml_dtypes
@@ -26,8 +27,23 @@ _DTYPES = {
 _MAX_HEADER = 100 * 1024 * 1024
 
 
-def read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Returns name -> array (memory-mapped); raises CheckpointError naming what is wrong."""
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor's bytes lie: its file, dtype, shape and absolute byte offset."""
+
+    path: Path
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int  # of the first byte, from the start of the file
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """Name -> TensorInfo of every tensor, checked against the file's size; reads only the
+    header. CheckpointError naming what is wrong."""
     size = path.stat().st_size
     if size < 8:
         raise CheckpointError(f"{path}: file is {size} bytes, too short for a safetensors header")
@@ -41,9 +57,8 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
             raise CheckpointError(f"{path}: corrupt safetensors header: {e}") from e
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: safetensors header is not a JSON object")
-    data = np.memmap(path, dtype=np.uint8, mode="r") if size > 8 + n else np.zeros(0, np.uint8)
     base = 8 + n
-    out: dict[str, np.ndarray] = {}
+    out: dict[str, TensorInfo] = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
@@ -63,5 +78,16 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
             raise CheckpointError(
                 f"{path}: truncated: tensor {name!r} ends at byte {base + end}, file has {size}"
             )
-        out[name] = data[base + start : base + end].view(dtype).reshape(shape)
+        out[name] = TensorInfo(path, dtype, shape, base + start)
+    return out
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """Returns name -> array (memory-mapped); raises CheckpointError naming what is wrong."""
+    infos = read_header(path)
+    data = np.memmap(path, dtype=np.uint8, mode="r") if infos else np.zeros(0, np.uint8)
+    out: dict[str, np.ndarray] = {}
+    for name, t in infos.items():
+        raw = data[t.offset : t.offset + t.nbytes] if t.nbytes else np.zeros(0, np.uint8)
+        out[name] = raw.view(t.dtype).reshape(t.shape)
     return out

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import jax
 from jax.sharding import NamedSharding
 
 from kernels.tp_llama import (
@@ -48,6 +49,10 @@ class TpXlaRunner(XlaRunner):
         super().__post_init__()
 
     def place_params(self, params: dict) -> dict:
+        """Host params (`pack_params`' layout) re-ordered shard-major and split over the
+        mesh; params already split over it (`LoadedModel.load_sharded`) kept as they are."""
+        if _split_over(params, self.specs, self.mesh):
+            return params
         host = shard_major_params(self.cfg, self.layout, params)
         return shard_params(host, self.specs, self.mesh)
 
@@ -64,3 +69,15 @@ class TpXlaRunner(XlaRunner):
         if n_steps not in self._decode:
             self._decode[n_steps] = self._jit(tp_decode_program, 4, n_steps, True)
         return self._decode[n_steps]
+
+
+def _split_over(params: dict, specs: dict, mesh: Any) -> bool:
+    """True when every leaf is a jax.Array laid out over mesh by its spec."""
+    laid = jax.tree.map(
+        lambda a, s: (
+            isinstance(a, jax.Array) and a.sharding.is_equivalent_to(NamedSharding(mesh, s), a.ndim)
+        ),
+        params,
+        specs,
+    )
+    return all(jax.tree.leaves(laid))
