@@ -202,6 +202,12 @@ def distributed_argmax(local: jnp.ndarray, lay: TpLayout) -> jnp.ndarray:
     the first shard holding the largest max wins."""
     idx = jnp.argmax(local, axis=-1)
     best = jnp.take_along_axis(local, idx[:, None], axis=-1)[:, 0].astype(jnp.float32)
+    return shard_winner(best, idx, lay)
+
+
+def shard_winner(best: jnp.ndarray, idx: jnp.ndarray, lay: TpLayout) -> jnp.ndarray:
+    """Greedy tokens i32[B] from each shard's best logit f32[B] and its local column i32[B]
+    (the first shard wins ties: the lowest global index, as one device's argmax)."""
     gidx = (idx + jax.lax.axis_index(AXIS) * lay.vocab).astype(jnp.int32)
     packed = jnp.stack([best, jax.lax.bitcast_convert_type(gidx, jnp.float32)], axis=-1)
     every = jax.lax.all_gather(packed, AXIS)  # f32[tp, B, 2]

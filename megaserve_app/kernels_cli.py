@@ -42,6 +42,11 @@ def add_kernels(sub) -> None:
     c.add_argument("--tp", type=int, default=1, help="tensor parallelism (with --topology)")
     c.add_argument("--ep", type=int, default=1, help="expert parallelism (with --topology)")
     c.add_argument("--chunk", type=int, default=512, help="prefill tokens per call (--topology)")
+    c.add_argument(
+        "--megakernel",
+        action="store_true",
+        help="with --topology: compile the tp megakernel decode step, not the XLA programs",
+    )
     c.add_argument("--json", action="store_true", help="print one JSON object")
     c.set_defaults(func=cmd_compile)
     add_compile_worker(ksub)
@@ -203,6 +208,22 @@ def cmd_compile_mesh(a: argparse.Namespace) -> int:
         config_path=a.config, topology=a.topology or "tpu7x:2x2x1", tp=a.tp, ep=a.ep,
         batch=a.batch, context=a.context, chunk=a.chunk, page_size=a.page_size,
     )  # fmt: skip
+    if a.megakernel:
+        from megaserve_app.compile_mesh_megakernel import compile_megakernel_mesh
+
+        res = _run("compile", lambda: compile_megakernel_mesh(req), a)
+        if res is not None and not res["compiled"]:
+            print(res["error"], file=sys.stderr)
+            return 1
+        if res is not None and not a.json:
+            r = res["decode"]
+            print(
+                f"{res['topology']} tp={res['tp']} megakernel batch {res['batch']} context "
+                f"{res['context']}: vmem={r['vmem_bytes'] / 2**20:.1f} MiB temp="
+                f"{r['hbm_temp_bytes']} B bytes/floor={r['bytes_over_floor']} rounds="
+                f"{r['collective_rounds']} projected={r['projected_ms']}"
+            )
+        return 2 if res is None else 0
     res = _run("compile", lambda: compile_mesh(req), a)
     if res is None:
         return 2

@@ -20,6 +20,7 @@ from kernels.megakernel.body import (
     rem,
     rms,
 )
+from kernels.megakernel.collective import ATTENTION_SLOT, all_reduce
 from kernels.megakernel.kv_pages import kv_prime, kv_read_start, kv_read_wait, kv_write_copies
 from kernels.megakernel.plan import LANES, VecRow
 
@@ -211,4 +212,4 @@ def _o_proj(ctx: Body, b_first) -> None:
         slot = ctx.ring_b.take(b_first + group)
         out = out + dot(r["attn"][group].astype(p.act_dtype), ctx.matmul_input(r["ring_b"][slot]))
         ctx.ring_b.refill(b_first + group)
-    r["h"][...] = r["h"][...] + out
+    r["h"][...] = r["h"][...] + all_reduce(ctx, out, ATTENTION_SLOT)

@@ -22,6 +22,7 @@ from kernels.megakernel.body import (
     each,
     head_segments,
 )
+from kernels.megakernel.collective import start_barrier
 from kernels.megakernel.kv_pages import kv_prime, kv_write_copies
 from kernels.megakernel.mlp import dense_mlp, moe_mlp
 from kernels.megakernel.plan import LANES, MegaPlan
@@ -83,6 +84,7 @@ def kernel_body(plan: MegaPlan, *refs) -> None:
     if router is not None:
         router.prime()
     kv_prime(ctx, 0)
+    start_barrier(ctx)  # after the first loads are in flight: they overlap the wait
     lane = lax.broadcasted_iota(jnp.int32, (p.batch, p.ta), 1)
     ctx.masks = AttentionMasks(
         first_half_of_head=(lane & (p.head_dim - 1)) < p.head_dim // 2,
@@ -134,8 +136,11 @@ def input_names(plan: MegaPlan) -> list[str]:
 
 
 def output_names(plan: MegaPlan) -> list[str]:
-    """The pallas_call's outputs, in order (k_out, v_out alias the pool inputs)."""
-    names = ["tokens"] + (["logits"] if plan.emit_logits else []) + ["k_out", "v_out"]
+    """The pallas_call's outputs, in order (k_out, v_out alias the pool inputs; under tp the
+    new pages leave as k_pages, v_pages instead, `plan.pages_out`)."""
+    names = ["tokens"] + (["logits"] if plan.emit_logits else [])
+    names += ["best"] if plan.tp > 1 else []
+    names += ["k_pages", "v_pages"] if plan.pages_out else ["k_out", "v_out"]
     return names + (["dma_count_out"] if plan.count_dmas else [])
 
 

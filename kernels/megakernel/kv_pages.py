@@ -58,13 +58,17 @@ def kv_prime(ctx: Body, layer) -> None:
 
 
 def kv_write_copies(ctx: Body, layer, row: int):
-    """The DMAs writing row `row`'s new-token page (K and V) back into the pool."""
+    """The DMAs writing row `row`'s new-token page (K and V) back into the pool, or under tp
+    into the `k_pages`/`v_pages` outputs [L, B, page_size, kv_row] that XLA puts in the pool
+    after the kernel (`plan.pages_out`)."""
     r = ctx.refs
-    return (
-        pltpu.make_async_copy(
-            r["kw"].at[row], r["k_out"].at[layer, r["wpage"][row]], r["sem_w"].at[row, 0]
-        ),
-        pltpu.make_async_copy(
-            r["vw"].at[row], r["v_out"].at[layer, r["wpage"][row]], r["sem_w"].at[row, 1]
-        ),
+
+    def target(x):
+        if ctx.plan.pages_out:
+            return r[f"{x}_pages"].at[layer, row]
+        return r[f"{x}_out"].at[layer, r["wpage"][row]]
+
+    return tuple(
+        pltpu.make_async_copy(r[f"{x}w"].at[row], target(x), r["sem_w"].at[row, i])
+        for i, x in enumerate("kv")
     )

@@ -11,6 +11,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels.megakernel.body import HIGHEST, MASKED, NO_INDEX, Body, Dma, count_dma, dot, rem, rms
+from kernels.megakernel.collective import MLP_SLOT, all_reduce
 from kernels.megakernel.plan import VecRow
 
 
@@ -37,7 +38,7 @@ def dense_mlp(ctx: Body, a_first, b_first, vec_slot) -> None:
         slot = ctx.ring_b.take(load_b)
         out = out + dot(act, ctx.matmul_input(r["ring_b"][slot]))
         ctx.ring_b.refill(load_b)
-    r["h"][...] = r["h"][...] + out
+    r["h"][...] = r["h"][...] + all_reduce(ctx, out, MLP_SLOT)
 
 
 def moe_mlp(ctx: Body, moe_index, vec_slot) -> None:

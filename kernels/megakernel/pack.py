@@ -178,7 +178,9 @@ def abstract_params(plan: MegaPlan) -> dict[str, Any]:
 
     out = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in plan.hbm_shapes().items()}
     out["final_norm"] = jax.ShapeDtypeStruct((1, plan.hidden_p), jnp.float32)
-    out["embed"] = jax.ShapeDtypeStruct((plan.vocab, plan.hidden_p), plan.weight_dtype)
+    # The whole vocabulary under tp too: every shard embeds its rows itself.
+    vocab = plan.vocab_global or plan.vocab
+    out["embed"] = jax.ShapeDtypeStruct((vocab, plan.hidden_p), plan.weight_dtype)
     out["inv_freq"] = jax.ShapeDtypeStruct((plan.head_dim // 2,), jnp.float32)
     out["rope_scale"] = jax.ShapeDtypeStruct((), jnp.float32)
     return out

@@ -107,6 +107,13 @@ class MegaPlan:
     act_dtype: Any = jnp.bfloat16  # matmul input dtype; float32 = exactness mode for tests
     emit_logits: bool = True
     count_dmas: bool = False
+    # Tensor-parallel shards (`kernels.megakernel.tp`): this plan is one shard's (its heads,
+    # intermediate columns and `vocab` lm_head columns); the kernel all-reduces h's partial
+    # sums over the mesh axis "tp" by remote DMA. vocab_global: the model's vocabulary, which
+    # masks the last shard's padding columns (0: the same as vocab).
+    tp: int = 1
+    vocab_global: int = 0
+    all_reduce: str = "one_shot"  # or "two_phase" (`collective.all_reduce`)
     # The scoped-VMEM limit handed to the compiler (`vmem_limit_bytes`): all of VMEM, since
     # Mosaic's internal scratch comes on top of vmem_bytes(); tests lower it to provoke a
     # compiler VMEM refusal.
@@ -116,6 +123,14 @@ class MegaPlan:
     @property
     def group(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def pages_out(self) -> bool:
+        """The new-token pages leave as outputs instead of being written into the aliased pool:
+        XLA copies every aliased operand of a kernel that communicates (remote DMAs), which
+        for the pool is two pool copies per step (measured on tpu7x: 1.34 GB of temp for
+        Llama-3.1-70B tp=8 at batch 8, 4k); a read-only pool and a scatter after need none."""
+        return self.tp > 1
 
     @property
     def experts_p(self) -> int:
@@ -243,6 +258,15 @@ class MegaPlan:
             Scratch("seg", (kv, LANES), jnp.float32),
             Scratch("seg_t", (LANES, kv), jnp.float32),
         ]
+        if self.tp > 1:  # the all-reduce's buffers (`collective.all_reduce`)
+            cw = round_up(-(-dp // self.tp), LANES)  # two_phase: columns per shard's block
+            s.append(Scratch("sem_ar", (2, 2), None, "sem"))
+            if self.all_reduce == "one_shot":
+                s.append(Scratch("ar_buf", (2, self.tp, b, dp), jnp.float32))
+            else:
+                s += [
+                    Scratch(n, (self.tp, b, cw), jnp.float32) for n in ("ar_src", "ar_rs", "ar_ag")
+                ]
         if self.emit_logits:
             # lm_head logits leave VMEM tile by tile: a double-buffered staging block DMA'd to
             # the HBM logits output (holding all of f32[tiles, B, ta] would cost 16-37 MiB at
@@ -270,7 +294,8 @@ class MegaPlan:
         """VMEM-resident kernel inputs and outputs (whole-array blocks)."""
         b = self.batch
         # The logits output stays in HBM (`logits_stage` in `scratch()` is its VMEM side).
-        return [
+        best = [((b, LANES), jnp.float32)] if self.tp > 1 else []  # each row's best logit
+        return best + [
             ((b, self.hidden_p), jnp.float32),  # h0
             ((b, self.ta), jnp.float32),  # cos
             ((b, self.ta), jnp.float32),  # sin

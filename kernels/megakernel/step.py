@@ -81,7 +81,15 @@ def step_inputs(plan: MegaPlan, mparams: dict, tokens, positions, page_table) ->
     }
 
 
-def _pallas_call(plan: MegaPlan, interpret: bool):
+def _interpret_params(interpret: bool | pltpu.InterpretParams):
+    """False (compile for TPU), or the TPU interpreter's params (True: the defaults, which
+    turn missing DMA waits and out-of-bounds DMAs into NaN / IndexError)."""
+    if isinstance(interpret, pltpu.InterpretParams):
+        return interpret  # e.g. detect_races=True (tests/test_megakernel_tp.py)
+    return pltpu.InterpretParams() if interpret else False
+
+
+def _pallas_call(plan: MegaPlan, interpret: bool | pltpu.InterpretParams):
     p = plan
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
     smem = pl.BlockSpec(memory_space=pltpu.SMEM)
@@ -90,7 +98,7 @@ def _pallas_call(plan: MegaPlan, interpret: bool):
     outs = K.output_names(p)
     in_specs = [hbm if n.endswith("_hbm") else vmem for n in ins]
     # logits stay in HBM: the kernel DMAs each vocab tile there from a VMEM staging block.
-    out_specs = [{"tokens": vmem, "dma_count_out": smem}.get(n, hbm) for n in outs]
+    out_specs = [{"tokens": vmem, "best": vmem, "dma_count_out": smem}.get(n, hbm) for n in outs]
     scratch = []
     for s in p.scratch():
         if s.space == "sem":
@@ -100,10 +108,12 @@ def _pallas_call(plan: MegaPlan, interpret: bool):
         else:
             scratch.append(pltpu.VMEM(s.shape, s.dtype))
     n_scalar = len(K.SCALARS)
-    aliases = {
-        n_scalar + ins.index("k_hbm"): outs.index("k_out"),
-        n_scalar + ins.index("v_hbm"): outs.index("v_out"),
-    }
+    aliases = {}
+    if not p.pages_out:
+        aliases = {
+            n_scalar + ins.index("k_hbm"): outs.index("k_out"),
+            n_scalar + ins.index("v_hbm"): outs.index("v_out"),
+        }
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=n_scalar,
         grid=(),
@@ -119,9 +129,11 @@ def _pallas_call(plan: MegaPlan, interpret: bool):
         compiler_params=pltpu.CompilerParams(
             # All of VMEM: Mosaic's internal scratch beyond the plan's estimate (8.2 MiB for
             # Llama-3.1-8B, more than VMEM_HEADROOM) must fit under the limit too.
-            vmem_limit_bytes=p.vmem_limit
+            vmem_limit_bytes=p.vmem_limit,
+            # The barrier semaphore of the tp start barrier (`collective.start_barrier`).
+            collective_id=0 if p.tp > 1 else None,
         ),
-        interpret=pltpu.InterpretParams() if interpret else False,
+        interpret=_interpret_params(interpret),
     )
 
 
@@ -144,11 +156,32 @@ def megakernel_step(
         kernel's KV dtype; donate them under jit: the kernel writes each row's new K/V into
         its page in place.
       tokens: i32[B]; positions: i32[B] (-1 = padding row); page_table: i32[B, P].
-      interpret: run under the TPU interpreter (CPU tests).
+      interpret: run under the TPU interpreter (CPU tests); an `InterpretParams` selects its
+        options.
     Returns:
       (i32[B] greedy tokens, f32[B, V] logits or None, k_cache, v_cache, i32[8] DMA bytes by
       kind (`kernel.DMA_KINDS`) or None).
     """
+    p = plan
+    res = run_kernel(p, mparams, k_cache, v_cache, tokens, positions, page_table, interpret)
+    logits = None
+    if p.emit_logits:
+        logits = res["logits"].transpose(1, 0, 2).reshape(p.batch, -1)[:, : p.vocab]
+    return (
+        res["tokens"][:, 0],
+        logits,
+        res["k_out"],
+        res["v_out"],
+        res.get("dma_count_out"),
+    )
+
+
+def run_kernel(
+    plan: MegaPlan, mparams: dict, k_cache, v_cache, tokens, positions, page_table, interpret
+) -> dict[str, jax.Array]:
+    """The pallas_call on `megakernel_step`'s arguments: its outputs by `kernel.output_names`
+    (tokens i32[B, 128], logits f32[tiles, B, ta], best f32[B, 128] under tp, k_out, v_out
+    or under tp k_pages, v_pages, dma_count_out)."""
     p = plan
     if k_cache.ndim != 4 or k_cache.shape[-1] != p.kv_row:
         raise ValueError(f"pool shape {k_cache.shape} is not [L, pages, page_size, {p.kv_row}]")
@@ -164,20 +197,13 @@ def megakernel_step(
         "k_out": jax.ShapeDtypeStruct(k4.shape, k4.dtype),
         "v_out": jax.ShapeDtypeStruct(v4.shape, v4.dtype),
         "dma_count_out": jax.ShapeDtypeStruct((8,), jnp.int32),
+        "best": jax.ShapeDtypeStruct((p.batch, 128), jnp.float32),
+        "k_pages": jax.ShapeDtypeStruct((p.num_layers, p.batch, *k4.shape[2:]), k4.dtype),
+        "v_pages": jax.ShapeDtypeStruct((p.num_layers, p.batch, *v4.shape[2:]), v4.dtype),
     }
     outs = K.output_names(p)
     call = _pallas_call(p, interpret)(out_shape=[out_shape[n] for n in outs])
-    res = dict(zip(outs, call(*[args[n] for n in K.SCALARS + tuple(K.input_names(p))])))
-    logits = None
-    if p.emit_logits:
-        logits = res["logits"].transpose(1, 0, 2).reshape(p.batch, -1)[:, : p.vocab]
-    return (
-        res["tokens"][:, 0],
-        logits,
-        res["k_out"],
-        res["v_out"],
-        res.get("dma_count_out"),
-    )
+    return dict(zip(outs, call(*[args[n] for n in K.SCALARS + tuple(K.input_names(p))])))
 
 
 def _family_config(plan: MegaPlan) -> Any:

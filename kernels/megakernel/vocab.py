@@ -10,6 +10,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels.megakernel.body import NO_INDEX, Body, Dma, count_dma, dot, rem, rms
+from kernels.megakernel.collective import vocab_limit
 from kernels.megakernel.plan import LANES
 
 
@@ -20,8 +21,12 @@ def lm_head_argmax(ctx: Body) -> None:
     normed = normed.astype(p.act_dtype)
     lane = lax.broadcasted_iota(jnp.int32, (p.batch, p.ta), 1)
     init = (jnp.full((p.batch, 1), -jnp.inf, jnp.float32), jnp.zeros((p.batch, 1), jnp.int32))
-    _, best = lax.fori_loop(0, p.vocab_tiles, partial(vocab_tile, ctx, normed, lane), init)
+    limit = vocab_limit(p)
+    body = partial(vocab_tile, ctx, normed, lane, limit)
+    best_logit, best = lax.fori_loop(0, p.vocab_tiles, body, init)
     r["tokens"][...] = jnp.broadcast_to(best, (p.batch, LANES))
+    if p.tp > 1:  # the shards' winners meet in XLA after the kernel (`tp.tp_megakernel_step`)
+        r["best"][...] = jnp.broadcast_to(best_logit, (p.batch, LANES))
     if p.emit_logits:
         # The last tiles' logits DMAs must land before the kernel ends.
         for tile in range(max(0, p.vocab_tiles - 2), p.vocab_tiles):
@@ -48,10 +53,11 @@ def _emit_logits(ctx: Body, tile, logits) -> None:
     count_dma(ctx.counter, Dma.LOGITS, ctx.refs["logits_stage"].at[0])
 
 
-def vocab_tile(ctx: Body, normed, lane, tile, carry):
+def vocab_tile(ctx: Body, normed, lane, limit, tile, carry):
     """fori_loop body: one lm_head tile's logits, folded into the running (max, argmax).
 
-    normed: [B, D] final-normed h in the matmul dtype; lane: i32[B, ta] lane index;
+    normed: [B, D] final-normed h in the matmul dtype; lane: i32[B, ta] lane index; limit:
+    this shard's real vocabulary columns (int, or i32[] under tp; the rest are masked);
     carry: (f32[B, 1] best logit so far, i32[B, 1] its vocab index).
     """
     p, r = ctx.plan, ctx.refs
@@ -61,7 +67,7 @@ def vocab_tile(ctx: Body, normed, lane, tile, carry):
     logits = dot(normed, ctx.matmul_input(r["ring_a"][slot]))  # f32[B, ta]
     ctx.ring_a.refill(load)
     column = tile * p.ta + lane  # the vocab index of each lane
-    logits = jnp.where(column < p.vocab, logits, -jnp.inf)
+    logits = jnp.where(column < limit, logits, -jnp.inf)
     if p.emit_logits:
         _emit_logits(ctx, tile, logits)
     tile_max = jnp.max(logits, axis=1, keepdims=True)
