@@ -118,7 +118,44 @@ def main(kind: str, tp: int, steps: int, one_slot: bool, reduce: str) -> dict:
     }
 
 
+def runner_main(tp: int) -> dict:
+    """`make_runner(backend="pallas", parallel=tp)` against the tp XLA runner: a 2-row prefill
+    (one row 8 tokens, one 2) then 3 decode steps, f32 matmul inputs in the kernel."""
+    from megaserve.parallel.tp_pool import tp_pool
+    from megaserve.runner.batch import TokenBatch
+    from megaserve.runner.buckets import StepConfig
+    from megaserve.runner.factory import make_runner
+    from megaserve.sampling_params import SamplingArrays
+
+    model, _ = mini_model("dense")
+    cfg, parallel = model.cfg, ParallelConfig(tp=tp)
+    step_cfg = StepConfig(batch_buckets=(1, 2), max_pages_per_seq=4)
+    prompt = np.array([[5, 9, 2, 7, 1, 3, 8, 4], [6, 1, 0, 0, 0, 0, 0, 0]], np.int32)
+    positions = np.array([np.arange(8), [0, 1, -1, -1, -1, -1, -1, -1]], np.int32)
+    table = np.array([[1, 2, 0, 0], [3, 0, 0, 0]], np.int32)
+    out, kinds = {}, {}
+    for backend in ("xla", "pallas"):
+        pool = tp_pool(cfg, parallel, 9, PS, model.params["embed"].dtype)
+        r = make_runner(model.family, cfg, model.params, pool, step_cfg, backend,
+                        matmul_dtype=jnp.float32, parallel=parallel)  # fmt: skip
+        kinds[backend] = type(r).__name__
+        first, _ = r.prefill(TokenBatch.from_padded(prompt, positions, table),
+                             SamplingArrays.greedy(2))  # fmt: skip
+        batch = TokenBatch.decode(first, np.array([8, 2], np.int32), table)
+        toks, logits = r.decode(batch, SamplingArrays.greedy(2), 3, True)
+        out[backend] = (np.asarray(first).tolist(), np.asarray(toks).tolist(), logits)
+    return {
+        "devices": len(jax.devices()),
+        "runners": kinds,
+        "tokens": {b: [o[0], o[1]] for b, o in out.items()},
+        "logits_vs_xla": _rel(out["pallas"][2], out["xla"][2]),
+    }
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "runner":
+        print(json.dumps(runner_main(int(sys.argv[2]))))
+        sys.exit(0)
     kind, tp, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     reduce = "two_phase" if "--two-phase" in sys.argv else "one_shot"
     print(json.dumps(main(kind, tp, steps, "--one-slot" in sys.argv, reduce)))

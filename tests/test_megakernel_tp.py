@@ -62,3 +62,15 @@ def test_tp_plan_refuses_moe_naming_tp():
     cfg = Qwen3MoeConfig.from_hf(hf)
     with pytest.raises(ValueError, match="megakernel tp=2: MoE"):
         tp_plan(cfg, tp_layout(cfg, 2), 4, 16, 4)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_pallas_backend_over_tp_decodes_as_the_tp_xla_runner(tp):
+    """`make_runner(backend="pallas", parallel=tp)`: the tp XLA prefill, then decode steps
+    through the tp megakernel (interpreted), against the tp XLA runner on the same pools."""
+    run = _child("runner", str(tp))
+    assert run.returncode == 0, run.stderr[-4000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["runners"] == {"xla": "TpXlaRunner", "pallas": "TpMegakernelRunner"}
+    assert out["tokens"]["pallas"] == out["tokens"]["xla"]
+    assert out["logits_vs_xla"] < LOGITS_TOL, out  # measured 1.5e-6 at tp=2

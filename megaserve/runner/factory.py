@@ -67,7 +67,8 @@ def make_runner(
     over a tensor-parallel mesh (the pool from `megaserve.parallel.tp_pool.tp_pool`)."""
     step_cfg = step_cfg or StepConfig()
     if parallel is not None and parallel.devices > 1:
-        return _tp_runner(family, cfg, params, pool, step_cfg, backend, parallel)
+        kernel = {"vmem_budget": vmem_budget, "matmul_dtype": matmul_dtype}
+        return _tp_runner(family, cfg, params, pool, step_cfg, backend, parallel, kernel)
     backend, why = choose_backend(cfg, pool.page_size, backend)
     log.info("backend", backend=backend, why=why)
     if backend == "pallas":
@@ -81,15 +82,19 @@ def make_runner(
     return XlaRunner(family, cfg, params, pool, step_cfg)
 
 
-def _tp_runner(family, cfg, params, pool, step_cfg, backend, parallel) -> Runner:
-    """The tensor-parallel XLA runner; an explicit `pallas` is a BackendError (the megakernel
-    runs on one device: its TP is a later slice), `auto` takes XLA."""
-    if backend == "pallas":
-        raise BackendError(
-            f"--backend pallas with tp={parallel.tp}: the megakernel runs on one device "
-            "(megakernel tensor parallelism is a later slice)"
-        )
+def _tp_runner(family, cfg, params, pool, step_cfg, backend, parallel, kernel: dict) -> Runner:
+    """The tensor-parallel runner: an explicit `pallas` (Llama family, ep 1) runs the tp
+    megakernel for decode, else the XLA step under shard_map (`auto` too: the tp megakernel
+    holds the weights twice, see `TpMegakernelRunner`)."""
     mesh = f"tp={parallel.tp} x ep={parallel.ep}"
+    if backend == "pallas":
+        if parallel.ep > 1:
+            raise BackendError(f"--backend pallas with {mesh}: the megakernel splits no experts")
+        why = choose_backend(cfg, pool.page_size, backend)[1]
+        log.info("backend", backend="pallas", why=f"{why}, {mesh}: the tp megakernel")
+        from megaserve.runner.tp_pallas import TpMegakernelRunner
+
+        return TpMegakernelRunner(family, cfg, params, pool, step_cfg, parallel=parallel, **kernel)
     log.info("backend", backend="xla", why=f"{mesh}: the XLA step under shard_map")
     from megaserve.runner.tp import TpXlaRunner
 

@@ -20,8 +20,10 @@ from megaserve.errors import BackendError
 from megaserve.runner.xla import PaddedDecode, XlaRunner
 
 
-def _pallas_decode(plan: MegaPlan, interpret: bool, mparams, k, v, tok, pos, pt, s):
-    toks, logits, k, v, _ = megakernel_step(plan, mparams, k, v, tok, pos, pt, interpret)
+def pallas_decode(step, interpret: bool, mparams, k, v, tok, pos, pt, s):
+    """One decode step through `step` (`megakernel_step` with its plan bound, or the tp
+    step): (i32[B] next tokens, f32[B, V] logits, k, v)."""
+    toks, logits, k, v, _ = step(mparams, k, v, tok, pos, pt, interpret)
     # Greedy rows keep the kernel's in-kernel argmax; sampled rows are picked from the
     # kernel's logits in XLA (the same `pick` as the XLA backend; penalties run after, in
     # the runner's separate `pick` program).
@@ -112,8 +114,9 @@ class MegakernelRunner(XlaRunner):
     def _pallas_fn(self, b: int):
         if b not in self._pallas:
             plan = self.plan_for(b, self.step_cfg.max_pages_per_seq)
+            step = partial(megakernel_step, plan)
             self._pallas[b] = jax.jit(
-                partial(_pallas_decode, plan, self.interpret), donate_argnums=(1, 2)
+                partial(pallas_decode, step, self.interpret), donate_argnums=(1, 2)
             )
         return self._pallas[b]
 
