@@ -65,9 +65,9 @@ def add_arguments(p) -> None:
 
 
 def config_from_args(a) -> WorkerConfig:
-    """TLSConfigError for unreadable TLS files, MeshError for a bad --tp or JAX_* group
-    variable (checked before any model loads; the host devices --tp needs are forced here,
-    and a multi-host group is joined)."""
+    """TLSConfigError for unreadable TLS files, MeshError for a --tp/--ep the model cannot
+    split or a bad JAX_* group variable (checked before any model loads; the tp x ep host
+    devices are forced here, and a multi-host group is joined)."""
     group = GroupConfig.from_env(timeout_s=a.group_timeout_s)
     return WorkerConfig(
         checkpoint=a.checkpoint,

@@ -54,7 +54,7 @@ class EngineConfig:
     # The megakernel's matmul input dtype (None: bf16); float32 is the exactness mode that
     # compares it token for token with the XLA backend.
     kernel_matmul_dtype: Any = None
-    # --tp: the model and pool over this many devices (the XLA step under shard_map).
+    # --tp x --ep: the model and pool over this many devices (the XLA step under shard_map).
     parallel: ParallelConfig = ParallelConfig()
 
 

@@ -58,6 +58,7 @@ async def serve(cfg: WorkerConfig) -> None:
             cfg.engine.max_context,
             model.cfg.vocab_size,
             tp=cfg.engine.parallel.tp,
+            ep=cfg.engine.parallel.ep,
         )
 
     def progressing() -> bool:
@@ -107,7 +108,7 @@ def main(a) -> int:
         if not cfg.group.leader:
             return follow_leader(cfg)
         asyncio.run(serve(cfg))
-    # --backend pallas it cannot take; no fit; a --tp the model's heads cannot split into
+    # --backend pallas it cannot take; no fit; a mesh the model cannot split into
     except (BackendError, MemoryPlanError, MeshError) as e:
         print(f"megaserve decode-worker: error: {e}", file=sys.stderr, flush=True)
         return 2

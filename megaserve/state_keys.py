@@ -60,6 +60,7 @@ class WorkerInfo:
     max_context: int = 0  # tokens (prompt + output) one request may use
     vocab_size: int = 0
     tp: int = 1  # tensor-parallel devices (the KV hand-off works across different tp)
+    ep: int = 1  # expert-parallel devices (and across different ep)
 
     def to_hash(self) -> dict[str, str]:
         return {k: str(v) for k, v in self.__dict__.items()}
@@ -79,6 +80,7 @@ class WorkerInfo:
             "max_context",
             "vocab_size",
             "tp",
+            "ep",
         }
         return cls(
             **{

@@ -34,8 +34,17 @@ def add_common_arguments(p, max_context: int) -> None:
         "--tp",
         type=int,
         default=1,
-        help="tensor-parallel devices for the model and KV pool (Llama family, XLA step); on "
-        "CPU forces that many host devices. KV hand-off works across different --tp",
+        help="tensor-parallel devices for the model and KV pool (Llama family and Qwen3-MoE, "
+        "XLA step; with --backend pallas, the tp megakernel for Llama-family decode); on CPU "
+        "forces --tp x --ep host devices. KV hand-off works across different --tp and --ep",
+    )
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel devices (Qwen3-MoE): the experts split over ep, each ep shard a "
+        "--tp split of the rest, the KV pool included (so held ep times); must divide "
+        "num_experts",
     )
     p.add_argument(
         "--warm-up",
@@ -107,17 +116,37 @@ def served_model_name(a) -> str:
 
 
 def parallel_from_args(a, group=None):
-    """--tp as a ParallelConfig (MeshError naming a bad value), this process's host devices
-    forced to match on CPU: call before anything starts JAX's backend. With a multi-host
-    `group` (megaserve.parallel.distributed.GroupConfig) the mesh spans every process's
-    devices: this process forces its share, then joins the group."""
+    """--tp and --ep as a ParallelConfig, checked against the checkpoint's config (MeshError
+    naming the numbers, before any weights load), this process's host devices forced to
+    match on CPU: call before anything starts JAX's backend. With a multi-host `group`
+    (megaserve.parallel.distributed.GroupConfig) the mesh of tp x ep devices spans every
+    process's devices: this process forces its share, then joins the group."""
     from megaserve.parallel.distributed import join
     from megaserve.parallel.mesh import ParallelConfig, ensure_host_devices
 
-    parallel = ParallelConfig(tp=a.tp)
+    parallel = ParallelConfig(tp=a.tp, ep=a.ep)
+    if parallel.devices > 1:
+        check_checkpoint_fits(a.checkpoint, parallel)
     if group is None or not group.multi:
         ensure_host_devices(parallel.devices)
         return parallel
     ensure_host_devices(group.local_devices(parallel.devices))
     join(group)
     return parallel
+
+
+def check_checkpoint_fits(spec: str, parallel) -> None:
+    """MeshError naming the numbers when `parallel` cannot split the model of `spec` (ep on
+    a model without experts, an ep not dividing num_experts, a tp not dividing the heads),
+    from its config alone. A config that cannot be read is left to the loader to report."""
+    from kernels.registry import family_for
+    from megaserve.checkpoint import load_config
+    from megaserve.errors import CheckpointError
+
+    try:
+        config = load_config(spec)
+        _, config_cls = family_for(config.get("model_type"))
+        cfg = config_cls.from_hf(config)
+    except (CheckpointError, ValueError, KeyError):
+        return
+    parallel.check_model(cfg)

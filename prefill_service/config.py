@@ -69,8 +69,8 @@ def add_arguments(p) -> None:
 
 def config_from_args(a) -> WorkerConfig:
     """TLSConfigError for unreadable TLS files, BackendError for --backend pallas and
-    MeshError for a bad --tp (all checked before any model loads; the host devices --tp
-    needs are forced here)."""
+    MeshError for a --tp/--ep the model cannot split (all checked before any model loads;
+    the tp x ep host devices are forced here)."""
     prefill_backend(a.backend)
     return WorkerConfig(
         checkpoint=a.checkpoint,

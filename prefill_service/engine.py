@@ -39,7 +39,7 @@ class PrefillConfig:
     chunk: int = 256
     max_batch: int = 8  # prompts in flight (holding pages); one call takes up to this many
     max_queued: int = 64  # prompts waiting for a batch row; beyond it NoCapacity
-    # --tp: the model and pool over this many devices (the XLA programs under shard_map).
+    # --tp x --ep: the model and pool over this many devices (the XLA programs under shard_map).
     parallel: ParallelConfig = ParallelConfig()
 
     def __post_init__(self):

@@ -56,6 +56,7 @@ async def serve(cfg: WorkerConfig) -> None:
             cfg.engine.max_context,
             model.cfg.vocab_size,
             tp=cfg.engine.parallel.tp,
+            ep=cfg.engine.parallel.ep,
         )
 
     hb = (
@@ -87,7 +88,7 @@ def main(a) -> int:
         return 2
     try:
         asyncio.run(serve(cfg))
-    # weights + pool + program temps exceed the device; a --tp the model cannot split into
+    # weights + pool + program temps exceed the device; a mesh the model cannot split into
     except (MemoryPlanError, MeshError) as e:
         print(f"megaserve prefill-worker: error: {e}", file=sys.stderr, flush=True)
         return 2

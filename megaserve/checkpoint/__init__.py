@@ -17,6 +17,7 @@ __all__ = [
     "Checkpoint",
     "TokenizerInfo",
     "load_checkpoint",
+    "load_config",
     "load_tokenizer",
     "model_name",
     "resolve_checkpoint_path",
@@ -59,6 +60,23 @@ def load_checkpoint(spec: str, progress: bool = True) -> Checkpoint:
         from megaserve.checkpoint.gguf_file import load_gguf
 
         return load_gguf(path, progress=progress)
+    raise CheckpointError(f"{str(path)!r} is neither an HF directory nor a .gguf file")
+
+
+def load_config(spec: str) -> dict:
+    """A checkpoint's HF config (a GGUF's: the one its metadata corresponds to); reads no
+    tensor data."""
+    path = resolve_checkpoint_path(spec)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
+    if path.is_dir():
+        from megaserve.checkpoint.hf import _config
+
+        return _config(path)
+    if path.suffix == ".gguf":
+        from megaserve.checkpoint.gguf_file import gguf_file_config
+
+        return gguf_file_config(path)
     raise CheckpointError(f"{str(path)!r} is neither an HF directory nor a .gguf file")
 
 

@@ -125,6 +125,17 @@ def load_gguf(path: Path, progress: bool = True) -> Checkpoint:
     return Checkpoint(str(path), config, tensors, tokenizer, () if eos is None else (int(eos),))
 
 
+def gguf_file_config(path: Path) -> dict:
+    """The HF config of a GGUF file, from its metadata; no tensor is read."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:
+        raise CheckpointError(f"{path}: not a readable GGUF file: {type(e).__name__}: {e}") from e
+    return gguf_config(_fields(reader))
+
+
 def gguf_tokenizer(path: Path):
     """(TextTokenizer, eos ids, vocab size) from a GGUF's metadata; no tensor is read."""
     import gguf

@@ -139,9 +139,10 @@ def tp_pool_for_budget(
     cfg: Any, parallel: ParallelConfig, page_size: int, budget_bytes: int, dtype: Any
 ) -> TpKVPool:
     """The largest tp pool (null page included) whose K and V, over all devices and every
-    replica of a KV head, fit in budget_bytes."""
+    replica of a KV head, fit in budget_bytes; with ep > 1 the ep copies too (the pool is
+    split over tp and replicated over ep)."""
     row = stored_row(cfg, parallel, jax.default_backend())
     width = row.tp * row.row_local
-    per_page = 2 * cfg.num_layers * page_size * width * np.dtype(dtype).itemsize
+    per_page = 2 * cfg.num_layers * page_size * width * np.dtype(dtype).itemsize * parallel.ep
     n = KVPool.pages_for_budget(budget_bytes, per_page)
     return tp_pool(cfg, parallel, n, page_size, dtype)
