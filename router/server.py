@@ -198,8 +198,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         text = TextStream(job.model, job.prompt, job.stop)
         usage = pb.Usage(prompt_tokens=len(job.prompt))
         cost.lap("respond")
-        log.info("request", request_id=job.request_id, prompt_tokens=len(job.prompt))
-        cost.lap("log")
+        # No line on arrival: "placed" (each try) names the request and its prompt tokens,
+        # "failed"/"refused" one that never got a worker.
         try:
             async with contextlib.aclosing(self.dispatcher.run(job, deadline)) as chunks:
                 async for c in chunks:

@@ -122,13 +122,17 @@ class WorkerView:
         return n
 
     def expect_blocks(self, prompt: list[int]) -> list[str]:
-        """Records that this worker is about to cache prompt's full blocks; returns those
-        its published set does not hold yet."""
-        until = time.monotonic() + OPTIMISTIC_S
+        """Records that this worker is about to cache prompt's full blocks; returns those to
+        share: not in its published set, and not expected (here or by a router that shared
+        them) for at least half of OPTIMISTIC_S more. A request's finish re-expects its
+        prompt's blocks: without the second rule every request wrote them to Redis twice."""
+        now = time.monotonic()
+        until, fresh = now + OPTIMISTIC_S, now + OPTIMISTIC_S / 2
         new = [h for h in _prefix_hexes.get(prompt, self.info.page_size) if h not in self.blocks]
+        share = [h for h in new if self.optimistic.get(h, 0.0) < fresh]
         for h in new:
             self.optimistic[h] = until
-        return new
+        return share
 
     def merge_placed(self, placed: list, now: float, now_ms: float) -> None:
         """Adds blocks routers shared (members of placed_blocks_key: (hex, expiry Unix ms))

@@ -140,3 +140,26 @@ def test_fire_while_redis_is_down_sends_nothing_and_reconnects(redis_server):
     first, second, ok = asyncio.run(main())
     assert (first, second, ok) == (False, True, True)
     assert redis.Redis.from_url(redis_server.url).get("k") == b"2"
+
+
+def test_blocks_shared_moments_ago_are_not_written_again(redis_server, monkeypatch):
+    """A request's finish re-expects its prompt's blocks: no second write while the first
+    placement has more than half its life left; a write again once it has not."""
+    _register(redis.Redis.from_url(redis_server.url), "w1")
+
+    async def main():
+        a = ClusterState(redis_server.url)
+        await _settle(a)
+        writes = []
+        monkeypatch.setattr(a._ids, "fire", lambda *cmds: writes.append(cmds) or True)
+        w = a.workers["w1"]
+        a.expect(w, PROMPT)
+        a.expect(w, PROMPT + [1])  # the finish: the same full blocks
+        first = len(writes)
+        for h in w.optimistic:  # as if half the placement's life had passed
+            w.optimistic[h] -= state_mod.OPTIMISTIC_S / 2 + 0.01
+        a.expect(w, PROMPT)
+        await a.stop()
+        return first, len(writes)
+
+    assert asyncio.run(main()) == (1, 2)
