@@ -83,7 +83,7 @@ def local_pool_row(cfg: LlamaConfig, lay: TpLayout, platform: str) -> int:
 # -- weights: host arrays re-ordered shard-major, so one PartitionSpec splits them ---------
 
 
-def _kv_heads_of(lay: TpLayout, i: int) -> list[int]:
+def kv_heads_of(lay: TpLayout, i: int) -> list[int]:
     """The KV heads shard i holds (its query heads' group; replicas repeat a head)."""
     if lay.kv_replicas > 1:
         return [i // lay.kv_replicas]
@@ -101,7 +101,7 @@ def _qkv_shard_major(cfg: LlamaConfig, lay: TpLayout, w: np.ndarray) -> np.ndarr
     blocks = []
     for i in range(lay.tp):
         heads = wq[..., i * lay.heads : (i + 1) * lay.heads, :]
-        kvh = _kv_heads_of(lay, i)
+        kvh = kv_heads_of(lay, i)
         for part in (heads, wk[..., kvh, :], wv[..., kvh, :]):
             blocks.append(part.reshape(*lead, -1))
     return np.concatenate(blocks, axis=-1)

@@ -82,9 +82,7 @@ def _all_reduce_traffic(plan: Any) -> tuple[int, int]:
     n, tp, b = 2 * plan.num_layers, plan.tp, plan.batch
     if plan.all_reduce == "one_shot":
         return n, n * (tp - 1) * b * plan.hidden_p * 4
-    width = -(-plan.hidden_p // tp)
-    width = -(-width // 128) * 128  # `plan.scratch`'s lane-aligned block
-    return 2 * n, n * 2 * (tp - 1) * b * width * 4
+    return 2 * n, n * 2 * (tp - 1) * b * plan.reduce_block_cols * 4
 
 
 def compile_megakernel_mesh(req: MeshCompile) -> dict[str, Any]:

@@ -3,6 +3,7 @@ ChatML template) and a stack of real worker and router processes on one real Red
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from megaserve_app.launch import Cluster
 from tests.conftest import random_tensors, tiny_llama_config
+from tests.redis_server import RedisServer
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -196,3 +198,24 @@ def solo_generator(checkpoint, page_size: int, max_context: int, prefill_chunk: 
     return OfflineGenerator(
         model, page_size=page_size, max_context=max_context, prefill_chunk=prefill_chunk
     )
+
+
+@contextlib.contextmanager
+def mesh_cluster(tmp: Path, checkpoint: Path, name: str, workers: dict, page_size: int):
+    """(Cluster, RedisServer): workers {id: (kind, extra flags)} (each a real process forcing
+    its own host devices for its --tp/--ep) over a tiny checkpoint, registered in one fresh
+    Redis; small pool and context, programs compiled on first use."""
+    rs = RedisServer(tmp).start()
+    args = ("--kv-budget-mb", "1", "--max-context", "64", "--page-size", str(page_size))
+    st = Cluster(
+        rs.url, str(checkpoint), name, (*args, "--prefill-chunk", "32", "--warm-up", "none")
+    )
+    try:
+        procs = [st.worker(kind, w, *flags) for w, (kind, flags) in workers.items()]
+        for p in procs:
+            p.wait_ready()
+        st.wait_registered(list(workers))
+        yield st, rs
+    finally:
+        st.stop()
+        rs.kill()

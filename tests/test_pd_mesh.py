@@ -17,10 +17,9 @@ from megaserve.kv import wire
 from megaserve.parallel.mesh import with_device_count
 from megaserve.rpc import prefill_pb2
 from megaserve.sampling_params import SamplingParams
-from megaserve_app.launch import Cluster, megaserve_cmd
+from megaserve_app.launch import megaserve_cmd
 from tests.conftest import FIXTURES, REPO
-from tests.redis_server import RedisServer
-from tests.stack import disagg_generate, solo_generator
+from tests.stack import disagg_generate, mesh_cluster, solo_generator
 
 FIX = FIXTURES / "tiny" / "llama_gqa2"  # 4 query / 2 KV heads: tp=4 stores each KV head twice
 PS = 4  # small pages: the 12-token reference prompt spans 3
@@ -39,19 +38,9 @@ def _env(devices: int) -> dict:
 def mesh_stack(tmp_path_factory):
     """Prefill workers at tp 4 and 2, decode workers at tp 2 and 4 (each a real process with
     its own forced host devices), registered in one Redis; programs compile on first use."""
-    tmp = tmp_path_factory.mktemp("pd_mesh")
-    rs = RedisServer(tmp).start()
-    args = ("--kv-budget-mb", "1", "--max-context", "64", "--page-size", str(PS))
-    st = Cluster(rs.url, str(FIX), "gqa2", (*args, "--prefill-chunk", "32", "--warm-up", "none"))
-    try:
-        procs = [st.worker(kind, w, "--tp", str(tp)) for w, (kind, tp) in WORKERS.items()]
-        for p in procs:
-            p.wait_ready()
-        st.wait_registered(list(WORKERS))
-        yield st, rs
-    finally:
-        st.stop()
-        rs.kill()
+    workers = {w: (kind, ("--tp", str(tp))) for w, (kind, tp) in WORKERS.items()}
+    with mesh_cluster(tmp_path_factory.mktemp("pd_mesh"), FIX, "gqa2", workers, PS) as out:
+        yield out
 
 
 @pytest.fixture(scope="module")

@@ -20,10 +20,9 @@ from megaserve.parallel.mesh import ParallelConfig
 from megaserve.rpc import prefill_pb2
 from megaserve.sampling_params import SamplingParams
 from megaserve.worker_args import check_checkpoint_fits, parallel_from_args
-from megaserve_app.launch import Cluster, child_env, megaserve_cmd
+from megaserve_app.launch import child_env, megaserve_cmd
 from tests.conftest import FIXTURES, REPO
-from tests.redis_server import RedisServer
-from tests.stack import disagg_generate, solo_generator
+from tests.stack import disagg_generate, mesh_cluster, solo_generator
 
 FIX = FIXTURES / "tiny" / "qwen3_moe_e8k2"  # 8 experts, top 2; 4 query / 2 KV heads
 DENSE = FIXTURES / "tiny" / "llama_gqa2"
@@ -39,22 +38,11 @@ SAMPLED = SamplingParams(temperature=0.8, top_k=20, seed=5)
 def ep_stack(tmp_path_factory):
     """A prefill worker over tp 1 x ep 2 and a decode worker over tp 2 x ep 2 (real
     processes, each forcing its own host devices), registered in one Redis."""
-    tmp = tmp_path_factory.mktemp("worker_ep")
-    rs = RedisServer(tmp).start()
-    args = ("--kv-budget-mb", "1", "--max-context", "64", "--page-size", str(PS))
-    st = Cluster(rs.url, str(FIX), "moe", (*args, "--prefill-chunk", "32", "--warm-up", "none"))
-    try:
-        procs = [
-            st.worker(kind, w, "--tp", str(tp), "--ep", str(ep))
-            for w, (kind, tp, ep) in WORKERS.items()
-        ]
-        for p in procs:
-            p.wait_ready()
-        st.wait_registered(list(WORKERS))
-        yield st, rs
-    finally:
-        st.stop()
-        rs.kill()
+    workers = {
+        w: (kind, ("--tp", str(tp), "--ep", str(ep))) for w, (kind, tp, ep) in WORKERS.items()
+    }
+    with mesh_cluster(tmp_path_factory.mktemp("worker_ep"), FIX, "moe", workers, PS) as out:
+        yield out
 
 
 def _ask(st, pre, rid, prompt, n, sp=GREEDY, transport=prefill_pb2.TRANSPORT_GRPC):

@@ -133,6 +133,11 @@ class MegaPlan:
         return self.tp > 1
 
     @property
+    def reduce_block_cols(self) -> int:
+        """two_phase all-reduce: columns of h per shard's block (lane-aligned, zero-padded)."""
+        return round_up(-(-self.hidden_p // self.tp), LANES)
+
+    @property
     def experts_p(self) -> int:
         return round_up(max(self.num_experts, 1), LANES)
 
@@ -259,7 +264,7 @@ class MegaPlan:
             Scratch("seg_t", (LANES, kv), jnp.float32),
         ]
         if self.tp > 1:  # the all-reduce's buffers (`collective.all_reduce`)
-            cw = round_up(-(-dp // self.tp), LANES)  # two_phase: columns per shard's block
+            cw = self.reduce_block_cols
             s.append(Scratch("sem_ar", (2, 2), None, "sem"))
             if self.all_reduce == "one_shot":
                 s.append(Scratch("ar_buf", (2, self.tp, b, dp), jnp.float32))

@@ -164,16 +164,21 @@ def megakernel_step(
     """
     p = plan
     res = run_kernel(p, mparams, k_cache, v_cache, tokens, positions, page_table, interpret)
-    logits = None
-    if p.emit_logits:
-        logits = res["logits"].transpose(1, 0, 2).reshape(p.batch, -1)[:, : p.vocab]
     return (
         res["tokens"][:, 0],
-        logits,
+        kernel_logits(p, res),
         res["k_out"],
         res["v_out"],
         res.get("dma_count_out"),
     )
+
+
+def kernel_logits(plan: MegaPlan, res: dict):
+    """f32[B, plan.vocab] rows from the kernel's f32[tiles, B, ta] logits output (None when
+    the plan emits none)."""
+    if not plan.emit_logits:
+        return None
+    return res["logits"].transpose(1, 0, 2).reshape(plan.batch, -1)[:, : plan.vocab]
 
 
 def run_kernel(

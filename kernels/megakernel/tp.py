@@ -15,7 +15,7 @@ from kernels.llama import LlamaConfig
 from kernels.megakernel.collective import choose_all_reduce
 from kernels.megakernel.pack import pack_megakernel
 from kernels.megakernel.plan import LANES, MegaPlan, make_plan, round_up
-from kernels.megakernel.step import run_kernel
+from kernels.megakernel.step import kernel_logits, run_kernel
 from kernels.tp_llama import (
     AXIS,
     KV_SPEC,
@@ -124,8 +124,8 @@ def tp_megakernel_step(
         outs = (greedy, k, v)
         if not plan.emit_logits:
             return outs
-        local = res["logits"].transpose(1, 0, 2).reshape(plan.batch, -1)[:, : plan.vocab]
-        whole = jax.lax.all_gather(local, AXIS, axis=1, tiled=True)[:, :vocab]
+        whole = jax.lax.all_gather(kernel_logits(plan, res), AXIS, axis=1, tiled=True)
+        whole = whole[:, :vocab]
         return (*outs, whole)
 
     specs = {name: P(AXIS) for name in mparams}

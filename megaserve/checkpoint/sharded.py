@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from kernels.kv_cache import lane_padded
 from kernels.llama import LlamaConfig
-from kernels.tp_llama import TpLayout, param_specs
+from kernels.tp_llama import TpLayout, kv_heads_of, param_specs
 from megaserve.checkpoint.hf import tensor_index
 from megaserve.checkpoint.safetensors_file import TensorInfo
 from megaserve.errors import CheckpointError
@@ -195,7 +195,7 @@ def _qkv_segments(cfg: LlamaConfig, lay: TpLayout, p: str, suffix: str) -> list[
     """Shard i's q heads then its KV heads' k and v (`tp_llama._qkv_shard_major`)."""
     hd, segs, c = cfg.head_dim, [], 0
     for i in range(lay.tp):
-        kv = i * lay.kv_heads // lay.kv_replicas  # its first KV head (`_kv_heads_of`)
+        kv = kv_heads_of(lay, i)[0]  # its KV heads are consecutive: the first and on
         for proj, n, head in (("q", lay.heads, i * lay.heads), ("k", lay.kv_heads, kv),
                               ("v", lay.kv_heads, kv)):  # fmt: skip
             segs.append(Seg(c, c + n * hd, f"{p}{proj}_proj.{suffix}", head * hd))

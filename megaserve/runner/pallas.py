@@ -84,13 +84,18 @@ class MegakernelRunner(XlaRunner):
         return self.mparams
 
     def plan_for(self, batch: int, pages: int) -> MegaPlan:
-        budget = {} if self.vmem_budget is None else {"vmem_budget": self.vmem_budget}
+        over = self.plan_overrides(self.pool.k.shape[-1])
+        return make_plan(self.cfg, batch, self.pool.page_size, pages, **over)
+
+    def plan_overrides(self, kv_row: int) -> dict:
+        """The plan fields this runner sets (dtypes, its pool's row, VMEM budget, matmul
+        inputs); `TpMegakernelRunner` passes its shard's row."""
+        over = dict(kv_dtype=self.kv_dtype, weight_dtype=self.weight_dtype, kv_row=kv_row)
+        if self.vmem_budget is not None:
+            over["vmem_budget"] = self.vmem_budget
         if self.matmul_dtype is not None:
-            budget["act_dtype"] = self.matmul_dtype
-        return make_plan(
-            self.cfg, batch, self.pool.page_size, pages, kv_dtype=self.kv_dtype,
-            weight_dtype=self.weight_dtype, kv_row=self.pool.k.shape[-1], **budget,
-        )  # fmt: skip
+            over["act_dtype"] = self.matmul_dtype
+        return over
 
     def max_batch(self) -> tuple[int, str]:
         """The largest batch bucket whose plan fits VMEM at the widest page table."""

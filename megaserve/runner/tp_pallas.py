@@ -62,15 +62,11 @@ class TpMegakernelRunner(TpXlaRunner):
         self._pallas: dict[int, Any] = {}
         self.mparams = place(rings, self.mesh)
 
+    plan_overrides = MegakernelRunner.plan_overrides
+
     def plan_for(self, batch: int, pages: int) -> MegaPlan:
-        over = {} if self.vmem_budget is None else {"vmem_budget": self.vmem_budget}
-        if self.matmul_dtype is not None:
-            over["act_dtype"] = self.matmul_dtype
-        row = self.pool.k.shape[-1] // self.parallel.tp  # one shard's pool row
-        return tp_plan(
-            self.cfg, self.layout, batch, self.pool.page_size, pages, kv_dtype=self.kv_dtype,
-            weight_dtype=self.weight_dtype, kv_row=row, **over,
-        )  # fmt: skip
+        over = self.plan_overrides(self.pool.k.shape[-1] // self.parallel.tp)  # a shard's row
+        return tp_plan(self.cfg, self.layout, batch, self.pool.page_size, pages, **over)
 
     def decode_params(self) -> Any:
         return self.mparams
