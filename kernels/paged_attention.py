@@ -51,9 +51,10 @@ def write_kv(
 
 
 # Keys per block of the blockwise attention: hundreds of keys per matmul, and scores of
-# [B, Hq, T, 512] f32 instead of the whole table's (2.1 GB for a [8, 256] Qwen3-30B-A3B
-# prefill chunk at 8k context).
-KEY_BLOCK = 512
+# [B, Hq, T, 256] f32 instead of the whole table's (2.1 GB for a [8, 256] Qwen3-30B-A3B
+# prefill chunk at 8k context). 256 measured fastest for a SmolLM2 4096-token prefill on
+# XLA:CPU (chunk 256: 7.9 s against 8.1 s at 128 and 512; docs/prefill.md).
+KEY_BLOCK = 256
 
 
 def paged_attention(
@@ -123,7 +124,10 @@ def _ragged_from_rows(
 
 
 def _blockwise(q, k_cache, v_cache, positions, page_table, layer, scale, hkv):
-    """`paged_attention`'s XLA path: an online softmax over blocks of KEY_BLOCK keys."""
+    """`paged_attention`'s XLA path: an online softmax over blocks of KEY_BLOCK keys. Blocks
+    every live query sees whole run unmasked (no compare, no selects: on XLA:CPU the masks
+    cost about as much as the softmax); only the blocks the chunk's diagonal crosses are
+    masked. Padding rows give 0."""
     b, t, hq, d = q.shape
     page_size = k_cache.shape[2]
     group = hq // hkv
@@ -131,34 +135,53 @@ def _blockwise(q, k_cache, v_cache, positions, page_table, layer, scale, hkv):
     blocks = -(-page_table.shape[1] // per_block)
     table = jnp.pad(page_table, ((0, 0), (0, blocks * per_block - page_table.shape[1])))
     width = per_block * page_size  # keys per block
-    qg = q.reshape(b, t, hkv, group, d).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
+    # The scale goes on the queries once, not on every block's scores.
+    qg = (q * scale).reshape(b, t, hkv, group, d).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
     masked = jnp.float32(-1e30)
+    live = positions >= 0
 
-    def block(j, carry):
-        m, l, acc = carry  # [B, Hkv, G, T], [B, Hkv, G, T], [B, Hkv, G, T, D]
+    def keys_values(j):
         pages = jax.lax.dynamic_slice_in_dim(table, j * per_block, per_block, axis=1)
         # mode="clip": page ids are in range by construction; the default fill mode's bounds
         # handling made this gather ~2x slower on XLA:CPU.
         keys = k_cache.at[layer, pages].get(mode="clip")[..., : hkv * d].reshape(b, width, hkv, d)
         vals = v_cache.at[layer, pages].get(mode="clip")[..., : hkv * d].reshape(b, width, hkv, d)
-        scores = jnp.einsum("bkgtd,bskd->bkgts", qg, keys.astype(q.dtype)) * scale
+        return keys.astype(q.dtype), vals.astype(q.dtype)
+
+    def online(carry, scores, vals, seen=None):
+        m, l, acc = carry  # [B, Hkv, G, T], [B, Hkv, G, T], [B, Hkv, G, T, D]
+        m_new = jnp.maximum(m, scores.max(-1))
+        probs = jnp.exp(scores - m_new[..., None])
+        if seen is not None:
+            probs = jnp.where(seen, probs, 0.0)
+        rescale = jnp.exp(m - m_new)
+        pv = jnp.einsum("bkgts,bskd->bkgtd", probs.astype(q.dtype), vals)
+        return m_new, l * rescale + probs.sum(-1), acc * rescale[..., None] + pv.astype(jnp.float32)
+
+    def whole(j, carry):
+        keys, vals = keys_values(j)
+        scores = jnp.einsum("bkgtd,bskd->bkgts", qg, keys).astype(jnp.float32)
+        return online(carry, scores, vals)
+
+    def diagonal(j, carry):
+        keys, vals = keys_values(j)
+        scores = jnp.einsum("bkgtd,bskd->bkgts", qg, keys).astype(jnp.float32)
         seen = (j * width + jnp.arange(width))[None, None, :] <= positions[:, :, None]
         seen = seen[:, None, None]  # [B, 1, 1, T, width]
-        scores = jnp.where(seen, scores.astype(jnp.float32), masked)
-        m_new = jnp.maximum(m, scores.max(-1))
-        probs = jnp.where(seen, jnp.exp(scores - m_new[..., None]), 0.0)
-        rescale = jnp.exp(m - m_new)
-        l = l * rescale + probs.sum(-1)
-        pv = jnp.einsum("bkgts,bskd->bkgtd", probs.astype(q.dtype), vals.astype(q.dtype))
-        return m_new, l, acc * rescale[..., None] + pv.astype(jnp.float32)
+        return online(carry, jnp.where(seen, scores, masked), vals, seen)
 
     stats = jnp.full((b, hkv, group, t), masked), jnp.zeros((b, hkv, group, t), jnp.float32)
     acc = jnp.zeros((b, hkv, group, t, d), jnp.float32)
-    # Blocks past the furthest query are masked for all: the loop stops before them.
+    # Blocks past the furthest query are masked for all: the loops stop before them. Blocks
+    # before the nearest live query's block are seen whole by every live query.
     needed = jnp.clip(jnp.max(positions) // width + 1, 0, blocks)
-    _, l, acc = jax.lax.fori_loop(0, needed, block, (*stats, acc))
+    nearest = jnp.min(jnp.where(live, positions, jnp.iinfo(jnp.int32).max - width))
+    whole_blocks = jnp.clip((nearest + 1) // width, 0, needed)
+    carry = jax.lax.fori_loop(0, whole_blocks, whole, (*stats, acc))
+    _, l, acc = jax.lax.fori_loop(whole_blocks, needed, diagonal, carry)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d)
+    out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d)
+    return jnp.where(live[..., None, None], out, 0.0)  # padding rows saw unmasked blocks
 
 
 def paged_attention_reference(

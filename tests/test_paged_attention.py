@@ -120,11 +120,13 @@ def test_prefill_in_chunks_equals_one_chunk(tiny_model):
     )
 
 
-@pytest.mark.parametrize("key_block", [32, 48, 512])
-def test_blockwise_attention_equals_the_whole_table(monkeypatch, key_block):
+@pytest.mark.parametrize("key_block,near", [(32, 3), (48, 3), (512, 3), (32, 70), (48, 75)])
+def test_blockwise_attention_equals_the_whole_table(monkeypatch, key_block, near):
     """The blockwise online softmax equals the whole-table reference: chunks starting
     mid-page and mid-block, one sequence with a longer table than the others reach, a padded
-    row (output 0) and padded tail tokens; 48 keys is not a divisor of the table."""
+    row (output 0) and padded tail tokens; 48 keys is not a divisor of the table. `near` is
+    row 1's first position: from 70 on, every live query sees the first blocks whole (the
+    unmasked loop), the rest through the masked one."""
     from kernels import paged_attention as pa
 
     monkeypatch.setattr(pa, "KEY_BLOCK", key_block)
@@ -136,8 +138,8 @@ def test_blockwise_attention_equals_the_whole_table(monkeypatch, key_block):
     t = 7
     pos = np.full((4, t), -1, np.int32)
     pos[0] = np.arange(130, 137)  # 9 pages of 16: keys up to 136
-    pos[1, :5] = np.arange(3, 8)  # tail padding
-    pos[2] = np.arange(60, 67)
+    pos[1, :5] = np.arange(near, near + 5)  # tail padding
+    pos[2] = np.arange(near + 57, near + 64)
     q = jnp.asarray(rng.standard_normal((4, t, hkv * g, d)), jnp.float32)
     args = (q, k, v, 1, jnp.asarray(pos), jnp.asarray(table), d**-0.5)
     got = np.asarray(jax.jit(pa.paged_attention, static_argnums=(3, 6))(*args))
