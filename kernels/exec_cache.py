@@ -62,14 +62,15 @@ def cache_dir() -> Path | None:
 def _source_digest() -> str:
     h = hashlib.sha256()
     for d in SOURCE_DIRS:
-        for f in sorted((REPO / d).rglob("*.py")):
+        # .cc: the CPU attention kernel (`kernels/cpu_attention.py`) is called by name.
+        for f in sorted([*(REPO / d).rglob("*.py"), *(REPO / d).rglob("*.cc")]):
             h.update(str(f.relative_to(REPO)).encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()
 
 
 @functools.cache
-def _cpu_flags() -> str:
-    # A CPU executable is machine code for this host's instruction set.
+def cpu_flags() -> str:
+    """The host's ISA flags line: a CPU executable (or library) is machine code for it."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -93,7 +94,8 @@ def _fixed_environment() -> str:
             [d.device_kind for d in jax.local_devices()],
             os.environ.get("XLA_FLAGS"),
             os.environ.get("LIBTPU_INIT_ARGS"),
-            _cpu_flags(),
+            os.environ.get("MEGASERVE_CPU_ATTENTION"),  # which attention CPU programs call
+            cpu_flags(),
             _source_digest(),
         )
     )

@@ -1,6 +1,6 @@
-"""Paged attention: write new K/V through a page table, then attend causally (blockwise in
-XLA, the Pallas ragged prefill kernel when lowered for TPU, beside the whole-table
-reference)."""
+"""Paged attention: write new K/V through a page table, then attend causally (the Pallas
+ragged prefill kernel when lowered for TPU, the C++ kernel on CPU, blockwise in XLA
+elsewhere, beside the whole-table reference)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kernels import cpu_attention
 from kernels.ragged_prefill import RaggedPrefillConfig, ragged_prefill_attention
 
 # Page 0 of every pool is the null page: padding tokens write there and page tables are padded
@@ -95,15 +96,25 @@ def paged_attention(
             q, k_cache, v_cache, layer, positions, page_table, scale, num_kv_heads
         )
     hkv = num_kv_heads or k_cache.shape[-1] // d
-    xla = functools.partial(_blockwise, layer=layer, scale=scale, hkv=hkv)
+    # Chosen when the program is lowered: the Pallas kernel for TPU, the C++ kernel on CPU
+    # where it builds (`cpu_attention`), the XLA blockwise path elsewhere.
+    kernels = {"default": functools.partial(_blockwise, layer=layer, scale=scale, hkv=hkv)}
+    if cpu_attention.supports(q, k_cache):
+        kernels["cpu"] = functools.partial(_cpu_kernel, layer=layer, scale=scale, hkv=hkv)
     block_q = next((n for n in (128, 64, 32, 16, 8) if t % n == 0), None)
-    # Shapes the kernel does not take (TPU pools are always lane-padded: `pool_row`).
-    if block_q is None or (d % 128 and 128 % d) or k_cache.shape[-1] % 128:
-        return xla(q, k_cache, v_cache, positions, page_table)
-    tpu = functools.partial(_ragged_from_rows, layer=layer, scale=scale, hkv=hkv, block_q=block_q)
-    # Chosen when the program is lowered: the Pallas kernel for TPU, XLA elsewhere.
-    return jax.lax.platform_dependent(
-        q, k_cache, v_cache, positions, page_table, tpu=tpu, default=xla
+    # Shapes the Pallas kernel does not take (TPU pools are always lane-padded: `pool_row`).
+    if not (block_q is None or (d % 128 and 128 % d) or k_cache.shape[-1] % 128):
+        kernels["tpu"] = functools.partial(
+            _ragged_from_rows, layer=layer, scale=scale, hkv=hkv, block_q=block_q
+        )
+    if len(kernels) == 1:
+        return kernels["default"](q, k_cache, v_cache, positions, page_table)
+    return jax.lax.platform_dependent(q, k_cache, v_cache, positions, page_table, **kernels)
+
+
+def _cpu_kernel(q, k_cache, v_cache, positions, page_table, layer, scale, hkv):
+    return cpu_attention.paged_prefill_attention(
+        q, k_cache, v_cache, layer, positions, page_table, scale, hkv
     )
 
 

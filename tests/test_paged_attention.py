@@ -120,15 +120,21 @@ def test_prefill_in_chunks_equals_one_chunk(tiny_model):
     )
 
 
+@pytest.mark.parametrize("kernel", ["xla", "cpu"])
 @pytest.mark.parametrize("key_block,near", [(32, 3), (48, 3), (512, 3), (32, 70), (48, 75)])
-def test_blockwise_attention_equals_the_whole_table(monkeypatch, key_block, near):
-    """The blockwise online softmax equals the whole-table reference: chunks starting
-    mid-page and mid-block, one sequence with a longer table than the others reach, a padded
-    row (output 0) and padded tail tokens; 48 keys is not a divisor of the table. `near` is
-    row 1's first position: from 70 on, every live query sees the first blocks whole (the
-    unmasked loop), the rest through the masked one."""
+def test_blockwise_attention_equals_the_whole_table(monkeypatch, key_block, near, kernel):
+    """The blockwise online softmax (XLA's, and the C++ kernel `paged_attention` lowers to
+    on CPU) equals the whole-table reference: chunks starting mid-page and mid-block, one
+    sequence with a longer table than the others reach, a padded row (output 0) and padded
+    tail tokens; 48 keys is not a divisor of the table. `near` is row 1's first position:
+    from 70 on, every live query sees the first blocks whole (XLA's unmasked loop), the rest
+    through the masked one."""
     from kernels import paged_attention as pa
 
+    if kernel == "xla":
+        monkeypatch.setattr(pa.cpu_attention, "supports", lambda q, k: False)
+    else:
+        assert pa.cpu_attention.available(), "the C++ kernel did not build (log above)"
     monkeypatch.setattr(pa, "KEY_BLOCK", key_block)
     rng = np.random.default_rng(key_block)
     layers, n_pages, ps, hkv, g, d = 2, 40, 16, 2, 3, 8

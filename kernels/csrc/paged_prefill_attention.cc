@@ -1,0 +1,359 @@
+// CPU paged prefill attention: causal flash attention of a chunk's queries over each
+// sequence's K/V read straight from the paged pool, as an XLA FFI custom call.
+//
+// Why this exists (docs/prefill.md, "CPU attention kernel"): XLA:CPU runs a blockwise
+// attention as separate thunks per block (two dots, a max, an exp/sum, a rescale), each
+// split over the cores and each writing its f32 scores out and reading them back; on the
+// 2-core CI machines that is ~2x a fused kernel's time. Here one work item (sequence,
+// KV head, QT query positions x G query heads) keeps its query tile, scores and output
+// in L1/L2 and walks the key blocks with an online softmax; items run on XLA's own
+// intra-op thread pool. No maintained CPU flash-attention kernel is callable from XLA:
+// XLA:CPU has none, and PyTorch's would pull torch into the serving environment.
+//
+// Built on first use by kernels/cpu_attention.py with -march=native on the machine that
+// runs it; the pure-JAX reference is kernels.paged_attention.paged_attention_reference.
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <mutex>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+constexpr int QT = 64;  // query positions per work item; x G heads: R rows, 64 | R
+constexpr int KB = 64;  // keys per block
+constexpr float kMasked = -std::numeric_limits<float>::infinity();
+
+// A brace list, not `(v16){} + x`: the add (0 + x is not folded for floats) made every
+// broadcast a scalar add plus a register shuffle competing with the FMAs for a port.
+inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+inline v16 load(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+
+constexpr int RG = 64;  // rows per micro-tile: 4 vectors
+
+inline v16i loadi(const int32_t* p) {
+  v16i v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline v16i splati(int32_t x) { return (v16i){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+// exp(x) for x <= 0 (a score minus its row's running max): 2^n * p(f), degree-6 Taylor
+// of 2^f on [-0.5, 0.5] (relative error ~2e-7, below f32 rounding of the argument).
+inline v16 vexp(v16 x) {
+  v16 y = x * 1.4426950408889634f;
+  v16 lo = splat(-126.f);
+  y = y < lo ? lo : y;
+  v16 n = (y + 12582912.f) - 12582912.f;  // round to nearest (needs no -ffast-math)
+  v16 f = (y - n) * 0.6931471805599453f;
+  v16 p = splat(1.f / 720);
+  p = p * f + 1.f / 120;
+  p = p * f + 1.f / 24;
+  p = p * f + 1.f / 6;
+  p = p * f + 0.5f;
+  p = p * f + 1.f;
+  p = p * f + 1.f;
+  v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  v16 out = p * scale;
+  return x == splat(kMasked) ? splat(0.f) : out;
+}
+
+struct Shapes {
+  int64_t b, t, hq, d, pages, page_size, row, width, hkv, group;
+};
+
+struct Args {
+  Shapes s;
+  const float* q;          // [B, T, Hq, D]
+  const float* k;          // [P, page_size, row]: the layer's slice of the pool
+  const float* v;
+  const int32_t* pos;      // [B, T], -1 padding
+  const int32_t* table;    // [B, width]
+  float* out;              // [B, T, Hq, D]
+  float scale;
+};
+
+// Per-thread tiles, transposed so a vector holds 16 query rows (row r = tq * G + g):
+// Q^T [D, R], O^T [D, R], S^T / P^T [KB, R]; per row m, l, rescale and position. K and V
+// are read in place from the pool: one row pointer per key of the block.
+struct Scratch {
+  explicit Scratch(const Shapes& s) : rows(QT * s.group) {
+    const int64_t floats = rows * s.d * 2 + KB * rows + rows * 4 + s.d;
+    mem.reset(static_cast<float*>(std::aligned_alloc(64, ((floats * 4 + 63) / 64) * 64)));
+    float* p = mem.get();
+    qt = p, p += rows * s.d;
+    ot = p, p += rows * s.d;
+    st = p, p += KB * rows;
+    m = p, p += rows;
+    l = p, p += rows;
+    resc = p, p += rows;
+    pos = reinterpret_cast<int32_t*>(p), p += rows;
+    zero = p;
+    std::memset(zero, 0, s.d * sizeof(float));
+  }
+  struct Free {
+    void operator()(float* p) const { std::free(p); }
+  };
+  int64_t rows;
+  std::unique_ptr<float, Free> mem;
+  float *qt, *ot, *st, *m, *l, *resc, *zero;
+  int32_t* pos;
+  const float* kp[KB];
+  const float* vp[KB];
+};
+
+// S^T[j, r] = K[j, :] . Q^T[:, r]: 4 keys x 64 rows per micro-tile (16 accumulators), the
+// rows' Q^T slice (D x 64) staying in L1 across the key groups.
+template <int D>
+inline void scores(Scratch& w) {
+  const int64_t R = w.rows;
+  for (int64_t r = 0; r < R; r += RG)
+    for (int j = 0; j < KB; j += 4) {
+      v16 acc[4][4] = {};
+      for (int d = 0; d < D; ++d) {
+        const float* qd = w.qt + d * R + r;
+        v16 q0 = load(qd), q1 = load(qd + 16), q2 = load(qd + 32), q3 = load(qd + 48);
+        for (int i = 0; i < 4; ++i) {
+          v16 kb = splat(w.kp[j + i][d]);
+          acc[i][0] += kb * q0, acc[i][1] += kb * q1;
+          acc[i][2] += kb * q2, acc[i][3] += kb * q3;
+        }
+      }
+      for (int i = 0; i < 4; ++i)
+        for (int c = 0; c < 4; ++c) store(w.st + (j + i) * R + r + 16 * c, acc[i][c]);
+    }
+}
+
+// The online softmax, 16 rows per vector (no horizontal reductions): masks keys past each
+// row's position when the block crosses the diagonal, turns S^T into P^T, updates m and l,
+// and leaves each row's rescale of O for `values`.
+inline void softmax(Scratch& w, int64_t s0, bool diagonal) {
+  const int64_t R = w.rows;
+  const v16 ninf = splat(kMasked);
+  for (int64_t r = 0; r < R; r += 16) {
+    v16 mx = ninf;
+    if (diagonal) {
+      const v16i pr = loadi(w.pos + r);
+      for (int j = 0; j < KB; ++j) {
+        float* sj = w.st + j * R + r;
+        v16 x = splati(static_cast<int32_t>(s0 + j)) <= pr ? load(sj) : ninf;
+        store(sj, x);
+        mx = x > mx ? x : mx;
+      }
+    } else {
+      for (int j = 0; j < KB; ++j) {
+        v16 x = load(w.st + j * R + r);
+        mx = x > mx ? x : mx;
+      }
+    }
+    const v16 m_old = load(w.m + r), m_new = mx > m_old ? mx : m_old;
+    // A row that has seen no key yet keeps m = -inf: subtract 0 so its P stays 0, not NaN.
+    const v16 m_sub = m_new == ninf ? splat(0.f) : m_new;
+    v16 sum = {};
+    for (int j = 0; j < KB; ++j) {
+      float* sj = w.st + j * R + r;
+      v16 e = vexp(load(sj) - m_sub);
+      store(sj, e);
+      sum += e;
+    }
+    const v16 rescale = vexp(m_old - m_sub);
+    store(w.resc + r, rescale);
+    store(w.l + r, load(w.l + r) * rescale + sum);
+    store(w.m + r, m_new);
+  }
+}
+
+// O^T[d, r] = O^T[d, r] * rescale[r] + V[:, d] . P^T[:, r]: 4 dims x 64 rows per
+// micro-tile, the rows' P^T slice (KB x 64) staying in L1 across the dim groups.
+template <int D>
+inline void values(Scratch& w) {
+  const int64_t R = w.rows;
+  for (int64_t r = 0; r < R; r += RG)
+    for (int d = 0; d < D; d += 4) {
+      v16 acc[4][4] = {};
+      for (int j = 0; j < KB; ++j) {
+        const float* pj = w.st + j * R + r;
+        v16 p0 = load(pj), p1 = load(pj + 16), p2 = load(pj + 32), p3 = load(pj + 48);
+        const float* vj = w.vp[j] + d;
+        for (int i = 0; i < 4; ++i) {
+          v16 vb = splat(vj[i]);
+          acc[i][0] += vb * p0, acc[i][1] += vb * p1;
+          acc[i][2] += vb * p2, acc[i][3] += vb * p3;
+        }
+      }
+      for (int i = 0; i < 4; ++i)
+        for (int c = 0; c < 4; ++c) {
+          float* o = w.ot + (d + i) * R + r + 16 * c;
+          store(o, load(o) * load(w.resc + r + 16 * c) + acc[i][c]);
+        }
+    }
+}
+
+// One work item: sequence b, KV head h, query positions [t0, t0 + QT).
+template <int D>
+void run_item(const Args& a, Scratch& w, int64_t b, int64_t h, int64_t t0) {
+  const Shapes& s = a.s;
+  const int64_t g = s.group, nq = std::min<int64_t>(QT, s.t - t0), R = w.rows;
+  const int32_t* pos = a.pos + b * s.t + t0;
+  int32_t pmin = std::numeric_limits<int32_t>::max(), pmax = -1;
+  for (int64_t i = 0; i < nq; ++i)
+    if (pos[i] >= 0) pmin = std::min(pmin, pos[i]), pmax = std::max(pmax, pos[i]);
+  auto out_row = [&](int64_t tq, int64_t gi) {
+    return a.out + ((b * s.t + t0 + tq) * s.hq + h * g + gi) * D;
+  };
+  if (pmax < 0) {  // padding only: zeros, as the XLA path
+    for (int64_t tq = 0; tq < nq; ++tq)
+      for (int64_t gi = 0; gi < g; ++gi) std::memset(out_row(tq, gi), 0, D * sizeof(float));
+    return;
+  }
+  for (int64_t tq = 0; tq < QT; ++tq)
+    for (int64_t gi = 0; gi < g; ++gi) {
+      const int64_t r = tq * g + gi;
+      w.pos[r] = tq < nq ? pos[tq] : -1;
+      const float* src = a.q + ((b * s.t + t0 + tq) * s.hq + h * g + gi) * D;
+      for (int d = 0; d < D; ++d) w.qt[d * R + r] = tq < nq ? src[d] * a.scale : 0.f;
+    }
+  std::fill(w.m, w.m + R, kMasked);
+  std::fill(w.l, w.l + R, 0.f);
+  std::memset(w.ot, 0, R * D * sizeof(float));
+  const int32_t* table = a.table + b * s.width;
+  for (int64_t s0 = 0; s0 <= pmax; s0 += KB) {
+    // Keys past pmax are seen by none; past the table there are none (clipped, as XLA's
+    // gather with mode="clip", so a bad position cannot read outside the pool).
+    const int64_t n = std::clamp<int64_t>(
+        std::min<int64_t>(pmax + 1, s.width * s.page_size) - s0, 0, KB);
+    for (int64_t j = 0; j < KB; ++j) {
+      if (j < n) {
+        const int64_t key = s0 + j;
+        const int64_t page = std::clamp<int64_t>(table[key / s.page_size], 0, s.pages - 1);
+        const int64_t off = (page * s.page_size + key % s.page_size) * s.row + h * D;
+        w.kp[j] = a.k + off, w.vp[j] = a.v + off;
+      } else {
+        w.kp[j] = w.vp[j] = w.zero;  // masked below: past pmax, so past every position
+      }
+    }
+    scores<D>(w);
+    softmax(w, s0, s0 + KB - 1 > pmin);
+    values<D>(w);
+  }
+  for (int64_t tq = 0; tq < nq; ++tq)
+    for (int64_t gi = 0; gi < g; ++gi) {
+      const int64_t r = tq * g + gi;
+      float* dst = out_row(tq, gi);
+      const float inv = pos[tq] >= 0 && w.l[r] > 0 ? 1.f / w.l[r] : 0.f;
+      for (int d = 0; d < D; ++d) dst[d] = w.ot[d * R + r] * inv;
+    }
+}
+
+// Work shared by the calling thread and its helpers. Helpers hold it by shared_ptr: one
+// that starts after the call returned finds no item left and touches no buffer.
+struct Shared {
+  explicit Shared(const Args& a, int64_t tiles) : a(a), tiles(tiles) {}
+  Args a;
+  int64_t tiles;
+  std::atomic<int64_t> next{0};
+  std::mutex mu;
+  std::condition_variable cv;
+  int64_t active = 0;  // threads between registering and finishing their last item
+};
+
+template <int D>
+void work(Shared& sh) {
+  const Shapes& s = sh.a.s;
+  const int64_t items = s.b * s.hkv * sh.tiles;
+  {
+    std::lock_guard<std::mutex> lock(sh.mu);
+    ++sh.active;  // before claiming: the caller waits for whoever may hold an item
+  }
+  std::unique_ptr<Scratch> w;
+  for (int64_t i; (i = sh.next.fetch_add(1)) < items;) {
+    if (!w) w = std::make_unique<Scratch>(s);
+    const int64_t b = i / (s.hkv * sh.tiles), h = (i / sh.tiles) % s.hkv;
+    run_item<D>(sh.a, *w, b, h, (i % sh.tiles) * QT);
+  }
+  std::lock_guard<std::mutex> lock(sh.mu);
+  if (--sh.active == 0) sh.cv.notify_all();
+}
+
+// The caller works too and then waits only for helpers that registered: never for one that
+// has not started (two calls waiting on each other's queued helpers would deadlock a
+// pool whose threads they both occupy).
+template <int D>
+void run_all(ffi::ThreadPool& pool, const Args& a) {
+  const Shapes& s = a.s;
+  const int64_t tiles = (s.t + QT - 1) / QT, items = s.b * s.hkv * tiles;
+  auto sh = std::make_shared<Shared>(a, tiles);
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), items) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { work<D>(*sh); });
+  work<D>(*sh);
+  std::unique_lock<std::mutex> lock(sh->mu);
+  sh->cv.wait(lock, [&] { return sh->active == 0; });
+}
+
+ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer,
+                ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> page_table,
+                ffi::ResultBuffer<ffi::F32> out, float scale, int64_t num_kv_heads) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  auto td = page_table.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || td.size() != 2 || vd.size() != 4 ||
+      !std::equal(kd.begin(), kd.end(), vd.begin()))
+    return ffi::Error::InvalidArgument("paged prefill attention: bad ranks or K/V shapes");
+  Shapes s{qd[0], qd[1], qd[2], qd[3], kd[1], kd[2], kd[3], td[1], num_kv_heads, 0};
+  if (s.hkv <= 0 || s.hq % s.hkv || s.hkv * s.d > s.row || td[0] != s.b)
+    return ffi::Error::InvalidArgument("paged prefill attention: head counts do not fit the pool");
+  s.group = s.hq / s.hkv;
+  const int64_t li = layer.typed_data()[0];
+  if (li < 0 || li >= kd[0]) return ffi::Error::InvalidArgument("paged prefill attention: layer");
+  const int64_t stride = s.pages * s.page_size * s.row;
+  Args a{s, q.typed_data(), k.typed_data() + li * stride, v.typed_data() + li * stride,
+         positions.typed_data(), page_table.typed_data(), out->typed_data(), scale};
+  switch (s.d) {
+    case 64: run_all<64>(pool, a); break;
+    case 128: run_all<128>(pool, a); break;
+    case 256: run_all<256>(pool, a); break;
+    case 32: run_all<32>(pool, a); break;
+    case 16: run_all<16>(pool, a); break;
+    case 8: run_all<8>(pool, a); break;
+    default:
+      return ffi::Error::InvalidArgument("paged prefill attention: head_dim not 8/16/32/64/128/256");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MegaservePagedPrefillAttention, Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("num_kv_heads"));
