@@ -55,7 +55,7 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--prefill-chunk",
         type=int,
-        default=256,
+        default=PrefillConfig.chunk,
         help="token budget of one prefill call, padding included, split over the prompts in it",
     )
     p.add_argument(

@@ -35,8 +35,11 @@ class PrefillConfig:
     kv_budget_bytes: int | None = 256 * 2**20  # None: what the device has left
     max_context: int = 4096
     # Prompt tokens one prefill call computes, padding included (the token budget, split
-    # over its rows by `StepConfig.prefill_pieces`); pages are sent after each call.
-    chunk: int = 256
+    # over its rows by `StepConfig.prefill_pieces`); pages are sent after each call. 512:
+    # SmolLM2 on 2 CPU cores prefills 4096 tokens in 5.35 s at 512 against 5.63 s at 256
+    # (the matmuls' weight packing is per call), 1024 tokens in 0.95 s against 1.02 s
+    # (`megaserve bench prefill --chunk N --peers none`, docs/benchmarks.md).
+    chunk: int = 512
     max_batch: int = 8  # prompts in flight (holding pages); one call takes up to this many
     max_queued: int = 64  # prompts waiting for a batch row; beyond it NoCapacity
     # --tp x --ep: the model and pool over this many devices (the XLA programs under shard_map).
