@@ -41,11 +41,13 @@ def test_tp_megakernel_equals_one_device(kind, tp, steps, reduce):
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["devices"] == 4 and out["kv_replicas"] == (2 if tp == 4 else 1)
     assert out["tp_tokens"] == out["one_tokens"] == out["ref_tokens"]
-    # Against the f32 reference the shards are within f32 rounding (measured <= 7.8e-6 of
-    # the largest logit); against the one-device kernel, within that plus the one-device
-    # kernel's own distance from the reference (7.2e-5 on the qwen2 mini, 6.2e-6 dense).
-    assert out["tp_vs_ref"] < LOGITS_TOL, out
-    assert out["tp_vs_one"] < LOGITS_TOL + out["one_vs_ref"], out
+    # The shards equal the one-device kernel within f32 rounding (measured <= 8.8e-7 of the
+    # largest logit), and are no further from the XLA reference than that kernel itself
+    # plus f32 rounding. The kernel-vs-reference distance depends on the host's XLA CPU
+    # code: 7.2e-5 on the qwen2 mini (q/k/v biases) on the AVX-512 host of 2026-12-05,
+    # under 1e-5 on the host of earlier sessions.
+    assert out["tp_vs_one"] < LOGITS_TOL, out
+    assert out["tp_vs_ref"] < LOGITS_TOL + out["one_vs_ref"], out
     assert out["kv_ulps"] <= 1.0, out  # new K/V rows: at most one bf16 rounding apart
 
 

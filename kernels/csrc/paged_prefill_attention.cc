@@ -1,14 +1,15 @@
 // CPU paged prefill attention: causal flash attention of a chunk's queries over each
 // sequence's K/V read straight from the paged pool, as an XLA FFI custom call.
 //
-// Why this exists (docs/prefill.md, "CPU attention kernel"): XLA:CPU runs a blockwise
-// attention as separate thunks per block (two dots, a max, an exp/sum, a rescale), each
-// split over the cores and each writing its f32 scores out and reading them back; on the
-// 2-core CI machines that is ~2x a fused kernel's time. Here one work item (sequence,
-// KV head, QT query positions x G query heads) keeps its query tile, scores and output
-// in L1/L2 and walks the key blocks with an online softmax; items run on XLA's own
-// intra-op thread pool. No maintained CPU flash-attention kernel is callable from XLA:
-// XLA:CPU has none, and PyTorch's would pull torch into the serving environment.
+// Why this exists (docs/prefill.md, "The CPU attention kernel, and why we wrote one"):
+// XLA:CPU runs a blockwise attention as separate thunks per block (two dots, a max, an
+// exp/sum, a rescale), each split over the cores and each writing its f32 scores out and
+// reading them back; on the 2-core CI machines that is ~2x a fused kernel's time. Here one
+// work item (sequence, KV head, QT query positions x G query heads) keeps its query tile,
+// scores and output in L1/L2 and walks the key blocks with an online softmax, K and V read
+// in place from the pool; items run on XLA's own intra-op thread pool. No maintained CPU
+// flash-attention kernel is callable from XLA: XLA:CPU has none, and PyTorch's would pull
+// torch into the serving environment.
 //
 // Built on first use by kernels/cpu_attention.py with -march=native on the machine that
 // runs it; the pure-JAX reference is kernels.paged_attention.paged_attention_reference.
