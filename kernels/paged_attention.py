@@ -169,14 +169,11 @@ def _blockwise(q, k_cache, v_cache, positions, page_table, layer, scale, hkv):
         pv = jnp.einsum("bkgts,bskd->bkgtd", probs.astype(q.dtype), vals)
         return m_new, l * rescale + probs.sum(-1), acc * rescale[..., None] + pv.astype(jnp.float32)
 
-    def whole(j, carry):
+    def block(j, carry, diagonal: bool):
         keys, vals = keys_values(j)
         scores = jnp.einsum("bkgtd,bskd->bkgts", qg, keys).astype(jnp.float32)
-        return online(carry, scores, vals)
-
-    def diagonal(j, carry):
-        keys, vals = keys_values(j)
-        scores = jnp.einsum("bkgtd,bskd->bkgts", qg, keys).astype(jnp.float32)
+        if not diagonal:
+            return online(carry, scores, vals)
         seen = (j * width + jnp.arange(width))[None, None, :] <= positions[:, :, None]
         seen = seen[:, None, None]  # [B, 1, 1, T, width]
         return online(carry, jnp.where(seen, scores, masked), vals, seen)
@@ -188,7 +185,9 @@ def _blockwise(q, k_cache, v_cache, positions, page_table, layer, scale, hkv):
     needed = jnp.clip(jnp.max(positions) // width + 1, 0, blocks)
     nearest = jnp.min(jnp.where(live, positions, jnp.iinfo(jnp.int32).max - width))
     whole_blocks = jnp.clip((nearest + 1) // width, 0, needed)
+    whole = functools.partial(block, diagonal=False)
     carry = jax.lax.fori_loop(0, whole_blocks, whole, (*stats, acc))
+    diagonal = functools.partial(block, diagonal=True)
     _, l, acc = jax.lax.fori_loop(whole_blocks, needed, diagonal, carry)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d)

@@ -125,6 +125,17 @@ struct Scratch {
   const float* vp[KB];
 };
 
+// acc[i][c] += s[i] * x[16c .. 16c + 16): the rank-1 update of a 4 x 64 register tile
+// (16 accumulators) both products are made of: 4 vector loads of x, 4 broadcasts of s.
+inline void rank1(v16 (&acc)[4][4], const float* x, const float* s) {
+  const v16 x0 = load(x), x1 = load(x + 16), x2 = load(x + 32), x3 = load(x + 48);
+  for (int i = 0; i < 4; ++i) {
+    const v16 b = splat(s[i]);
+    acc[i][0] += b * x0, acc[i][1] += b * x1;
+    acc[i][2] += b * x2, acc[i][3] += b * x3;
+  }
+}
+
 // S^T[j, r] = K[j, :] . Q^T[:, r]: 4 keys x 64 rows per micro-tile (16 accumulators), the
 // rows' Q^T slice (D x 64) staying in L1 across the key groups.
 template <int D>
@@ -134,13 +145,8 @@ inline void scores(Scratch& w) {
     for (int j = 0; j < KB; j += 4) {
       v16 acc[4][4] = {};
       for (int d = 0; d < D; ++d) {
-        const float* qd = w.qt + d * R + r;
-        v16 q0 = load(qd), q1 = load(qd + 16), q2 = load(qd + 32), q3 = load(qd + 48);
-        for (int i = 0; i < 4; ++i) {
-          v16 kb = splat(w.kp[j + i][d]);
-          acc[i][0] += kb * q0, acc[i][1] += kb * q1;
-          acc[i][2] += kb * q2, acc[i][3] += kb * q3;
-        }
+        const float k4[4] = {w.kp[j][d], w.kp[j + 1][d], w.kp[j + 2][d], w.kp[j + 3][d]};
+        rank1(acc, w.qt + d * R + r, k4);
       }
       for (int i = 0; i < 4; ++i)
         for (int c = 0; c < 4; ++c) store(w.st + (j + i) * R + r + 16 * c, acc[i][c]);
@@ -195,14 +201,7 @@ inline void values(Scratch& w) {
     for (int d = 0; d < D; d += 4) {
       v16 acc[4][4] = {};
       for (int j = 0; j < KB; ++j) {
-        const float* pj = w.st + j * R + r;
-        v16 p0 = load(pj), p1 = load(pj + 16), p2 = load(pj + 32), p3 = load(pj + 48);
-        const float* vj = w.vp[j] + d;
-        for (int i = 0; i < 4; ++i) {
-          v16 vb = splat(vj[i]);
-          acc[i][0] += vb * p0, acc[i][1] += vb * p1;
-          acc[i][2] += vb * p2, acc[i][3] += vb * p3;
-        }
+        rank1(acc, w.st + j * R + r, w.vp[j] + d);
       }
       for (int i = 0; i < 4; ++i)
         for (int c = 0; c < 4; ++c) {
