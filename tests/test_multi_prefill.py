@@ -81,6 +81,14 @@ def test_budget_split_rule():
     assert step.prefill_pieces([1000, 2000, 10]) == [128, 0, 10]  # not behind either
     assert step.prefill_pieces([1000, 30, 30, 30, 30]) == [64, 30, 30, 30, 0]  # 4 rows
     assert step.prefill_pieces([100, 100, 100]) == [100, 100, 0]  # a 3rd would not finish
+    # A lone piece padded far past the bucket below is cut to it; the rest pads less later.
+    assert step.prefill_pieces([150]) == [128]  # 128 + 32 padded, not 256
+    assert step.prefill_pieces([230]) == [230]  # 128 + 128 would not save a call's cost
+    assert step.prefill_pieces([1000, 300]) == [256, 0]  # a full-width piece pads nothing
+    wide = replace(StepConfig.for_limits(8, 512, 64), prefill_rows=4)
+    assert wide.prefill_pieces([300]) == [256]  # 256 + 64, not 512
+    assert wide.prefill_pieces([300, 200]) == [256, 200]  # 200 must finish: no narrower call
+    assert wide.prefill_pieces([130, 40]) == [128, 40]
     small = replace(StepConfig.for_limits(8, 32, 64), prefill_rows=4)
     assert [small.prefill_cap(k) for k in (1, 2, 3)] == [32, 16, 0]
 

@@ -8,6 +8,10 @@ from dataclasses import dataclass
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512)
 MIN_PAGE_WIDTH = 8
+# A prefill call's fixed cost in tokens of work: SmolLM2 f32 on 2 CPU cores fits
+# ms ~= 39 + 1.22 x padded tokens per call (one call of 64 tokens 117 ms, of 512 663 ms; 256 +
+# 64 in two calls 481 ms: `megaserve bench prefill --lengths 64,300 --chunk 512|256`).
+SPLIT_COST_TOKENS = 32
 
 
 def buckets_up_to(limit: int, candidates: tuple[int, ...]) -> tuple[int, ...]:
@@ -99,6 +103,22 @@ class StepConfig:
         out = [0] * len(needs)
         for j in rows:
             out[j] = min(needs[j], cap)
+        return self._split_padded(out)
+
+    def _split_padded(self, out: list[int]) -> list[int]:
+        """Cuts the oldest row's piece down to the token bucket below the call's when the
+        rest in a later call pads less than the one call would (e.g. 300 tokens: 256 + 64
+        instead of 512), counting a call's fixed cost as SPLIT_COST_TOKENS; the other rows
+        must still finish in the narrower call."""
+        if not out or not out[0]:
+            return out
+        width = bucket(max(out), self.token_buckets, "prefill tokens")
+        lower = [t for t in self.token_buckets if t < width]
+        if not lower or out[0] <= lower[-1] or max(out[1:], default=0) > lower[-1]:
+            return out
+        rest = bucket(out[0] - lower[-1], self.token_buckets, "prefill tokens")
+        if lower[-1] + rest + SPLIT_COST_TOKENS < width:
+            return [lower[-1], *out[1:]]
         return out
 
     @property

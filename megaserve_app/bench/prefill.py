@@ -51,6 +51,7 @@ from megaserve.errors import RequestError
 from megaserve.logs import configure
 from megaserve.model import LoadedModel
 from megaserve.runner.batch import TokenBatch
+from megaserve.runner.buckets import StepConfig
 from megaserve.runner.factory import make_runner
 from megaserve.sampling_params import SamplingArrays
 from megaserve_app.bench import summary
@@ -187,11 +188,20 @@ def time_ours(model: LoadedModel, s: PrefillBench) -> list[dict]:
                     "precision": "f32",
                     "batch": batch,
                     "context": length,
-                    "chunks": math.ceil(length / s.chunk),
+                    "chunks": len(pieces(runner.step_cfg, length)),
                     "times_s": times,
                 }
             )
     return rows
+
+
+def pieces(step: StepConfig, length: int) -> list[int]:
+    """Tokens per call of one prompt prefilled alone, as the worker's scheduler cuts them
+    (`StepConfig.prefill_pieces`: the chunk, and a last piece cut where that pads less)."""
+    out = []
+    while (done := sum(out)) < length:
+        out.append(step.prefill_pieces([length - done])[0])
+    return out
 
 
 def time_prefill(runner, vocab: int, length: int, batch: int, s: PrefillBench) -> list[float]:
@@ -205,11 +215,11 @@ def time_prefill(runner, vocab: int, length: int, batch: int, s: PrefillBench) -
     times = []
     for i in range(s.warmup + s.runs):
         t = time.perf_counter()
-        for start in range(0, length, s.chunk):
-            rows = [
-                (ids[r, start : start + s.chunk].tolist(), start, pages[r]) for r in range(batch)
-            ]
+        start = 0
+        for n in pieces(runner.step_cfg, length):
+            rows = [(ids[r, start : start + n].tolist(), start, pages[r]) for r in range(batch)]
             runner.prefill(TokenBatch.from_rows(rows), sampling)  # returns host arrays: synced
+            start += n
         if i >= s.warmup:
             times.append(time.perf_counter() - t)
     return times

@@ -222,7 +222,10 @@ class Layout:
         self.router = self.cluster.router(f"{self.name}-router", "--config", str(cfg))
         return self
 
-    def wait(self, timeout: float = 300.0) -> Layout:
+    # 30 min: with a cold compilation cache (a fresh machine) the layouts' three workers each
+    # compile their whole program set at once on the same cores; 300 s was not enough on 2
+    # cores. A worker that exits fails the wait at once, so the limit only bounds a hang.
+    def wait(self, timeout: float = 1800.0) -> Layout:
         for p in [*self.workers, self.router]:
             p.wait_ready(timeout)
         self.cluster.wait_registered([w.name for w in self.workers])
