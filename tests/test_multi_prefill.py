@@ -84,7 +84,6 @@ def test_budget_split_rule():
     # A lone piece padded far past the bucket below is cut to it; the rest pads less later.
     assert step.prefill_pieces([150]) == [128]  # 128 + 32 padded, not 256
     assert step.prefill_pieces([230]) == [230]  # 128 + 128 would not save a call's cost
-    assert step.prefill_pieces([1000, 300]) == [256, 0]  # a full-width piece pads nothing
     wide = replace(StepConfig.for_limits(8, 512, 64), prefill_rows=4)
     assert wide.prefill_pieces([300]) == [256]  # 256 + 64, not 512
     assert wide.prefill_pieces([300, 200]) == [256, 200]  # 200 must finish: no narrower call

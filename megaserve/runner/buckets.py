@@ -86,11 +86,12 @@ class StepConfig:
         remaining prompt fits the per-row cap of the call with it added, every row already
         in still fitting too: it finishes in this call, so a short prompt gets its first
         token beside a long one instead of behind it. Every row then takes min(its need,
-        cap). A prompt too long to finish in one shared piece waits for the ones before it
-        (first come, first served): long prompts prefill one at a time at the full budget,
-        the shape that reads their context least often per token. Rows are padded to the
-        longest piece (the programs take a [rows, tokens] batch), so the cap keeps the
-        padded call within the budget, and the real tokens with it.
+        cap), and the oldest's piece is cut to a bucket boundary where that pads less
+        (`_split_padded`). A prompt too long to finish in one shared piece waits for the
+        ones before it (first come, first served): long prompts prefill one at a time at
+        the full budget, the shape that reads their context least often per token. Rows are
+        padded to the longest piece (the programs take a [rows, tokens] batch), so the cap
+        keeps the padded call within the budget, and the real tokens with it.
         """
         rows = [0] if needs else []
         for i in range(1, len(needs)):

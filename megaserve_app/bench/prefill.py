@@ -212,11 +212,12 @@ def time_prefill(runner, vocab: int, length: int, batch: int, s: PrefillBench) -
     pages = 1 + np.arange(batch * n_pages, dtype=np.int32).reshape(batch, n_pages)
     ids = np.random.default_rng(0).integers(0, vocab, (batch, length), dtype=np.int32)
     sampling = SamplingArrays.greedy(batch)
+    cuts = pieces(runner.step_cfg, length)
     times = []
     for i in range(s.warmup + s.runs):
         t = time.perf_counter()
         start = 0
-        for n in pieces(runner.step_cfg, length):
+        for n in cuts:
             rows = [(ids[r, start : start + n].tolist(), start, pages[r]) for r in range(batch)]
             runner.prefill(TokenBatch.from_rows(rows), sampling)  # returns host arrays: synced
             start += n
