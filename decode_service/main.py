@@ -21,6 +21,7 @@ from megaserve.parallel.step_channel import StepChannel
 from megaserve.registration import Heartbeat
 from megaserve.security import TLSConfigError
 from megaserve.state_keys import WorkerInfo
+from megaserve.worker_args import apply_cpu_nice
 
 __all__ = ["add_arguments", "main"]
 log = structlog.get_logger("megaserve.decode")
@@ -99,6 +100,7 @@ def main(a) -> int:
     from megaserve.logs import configure
 
     configure()
+    apply_cpu_nice(a.cpu_nice)  # first: every thread the worker starts inherits it
     try:
         cfg = config_from_args(a)  # before the model loads: a bad TLS file fails at once
     except (TLSConfigError, MeshError) as e:

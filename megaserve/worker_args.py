@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
+
 
 def add_common_arguments(p, max_context: int) -> None:
     p.add_argument("--checkpoint", default="smollm2")
@@ -61,6 +64,15 @@ def add_common_arguments(p, max_context: int) -> None:
         help="host other processes reach this worker at (default: --host, or the hostname "
         "when binding 0.0.0.0; in Kubernetes the pod IP)",
     )
+    p.add_argument(
+        "--cpu-nice",
+        type=nice_increment,
+        default=0,
+        help="lower this worker's CPU priority by N (0-19, as nice(1); its session's "
+        "autogroup too when it leads one) where it shares cores with other workers, e.g. a "
+        "decode worker beside a prefill worker on one CPU host: prefills get the cores "
+        "first and decode steps wait (measured trade-off: docs/benchmarks.md, bench serve)",
+    )
     from megaserve.security import add_tls_arguments
 
     add_tls_arguments(p)
@@ -76,6 +88,48 @@ def positive_int(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
     return n
+
+
+def nice_increment(text: str) -> int:
+    import argparse
+
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 19:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a nice increment from 0 to 19")
+    return n
+
+
+def apply_cpu_nice(increment: int) -> None:
+    """Raises this process's CPU nice value by `increment`: every thread's (threads started
+    later inherit it) and, when the process leads its own session, its autogroup's.
+
+    Why both: on Linux a nice value belongs to a thread, and imports may have started some
+    already; and with autogroup scheduling (kernel.sched_autogroup_enabled, the default on
+    desktop and many server kernels) CPU time is first shared between sessions, each the
+    weight of its autogroup's nice, so a thread's nice only ranks it inside its own session.
+    Workers that `megaserve serve` and the benches start each lead a session."""
+    import os
+    import threading
+
+    if not increment:
+        return
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # not Linux: the process-wide call is all there is
+        tids = []
+    me = threading.get_native_id()
+    for tid in (t for t in tids if t != me):
+        with contextlib.suppress(ProcessLookupError):  # a thread that has ended since
+            now = os.getpriority(os.PRIO_PROCESS, tid)
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, now + increment))
+    os.nice(increment)
+    if os.getsid(0) == os.getpid():
+        with contextlib.suppress(OSError, ValueError):  # no autogroup support: nothing to do
+            now = int(Path("/proc/self/autogroup").read_text().split()[-1])
+            Path("/proc/self/autogroup").write_text(str(min(19, now + increment)))
 
 
 def add_dtype_argument(p) -> None:

@@ -15,6 +15,7 @@ from megaserve.model import LoadedModel, serving_dtype
 from megaserve.registration import Heartbeat
 from megaserve.security import TLSConfigError
 from megaserve.state_keys import WorkerInfo
+from megaserve.worker_args import apply_cpu_nice
 from prefill_service.config import WorkerConfig, add_arguments, config_from_args, prefill_backend
 from prefill_service.engine import PrefillEngine
 from prefill_service.server import create_server
@@ -80,6 +81,7 @@ def main(a) -> int:
     from megaserve.logs import configure
 
     configure()
+    apply_cpu_nice(a.cpu_nice)  # first: every thread the worker starts inherits it
     try:
         cfg = config_from_args(a)  # before the model loads: a bad TLS file fails at once
         log.info("backend", backend="xla", why=prefill_backend(a.backend)[1])

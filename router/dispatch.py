@@ -358,7 +358,7 @@ class Dispatcher:
         )
         p.inflight += 1
         try:
-            await handoff(
+            h = await handoff(
                 self.clients,
                 d.address,
                 p.address,
@@ -369,6 +369,17 @@ class Dispatcher:
                 transport=transport,
                 resumed=resumed,
                 timeout=lambda: self._timeout(deadline),
+            )
+            # Where a disaggregated first token's time went (docs/benchmarks.md, bench serve):
+            # Reserve and the KV commit each wait for the decode worker's current step.
+            log.info(
+                "handed off",
+                request_id=rid,
+                prefill=p.id,
+                reserve_ms=round(1000 * h.reserve_s, 1),
+                prefill_ms=round(1000 * h.prefill_s, 1),
+                compute_ms=round(h.prefill.compute_ms, 1),
+                kv_transfer_ms=round(h.prefill.transfer_ms, 1),
             )
             self.state.expect(p, prompt)
             self.breakers.success(p.id)

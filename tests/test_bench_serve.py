@@ -30,6 +30,7 @@ def test_bench_serve_smoke(tmp_path):
         max_context=512,
         kv_budget_mb=8,
         worker_args=("--prefill-chunk", "64"),
+        decode_cpu_nice=3,  # the disaggregated decode worker starts with --cpu-nice 3
     )
     partial = []
     out = bench_serve(s, log=lambda *_: None, on_row=partial.append)

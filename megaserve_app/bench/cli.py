@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megaserve.worker_args import positive_int
+from megaserve.worker_args import nice_increment, positive_int
 from megaserve_app.bench.router_cli import add_router
 
 REPO = Path(__file__).resolve().parents[2]
@@ -106,6 +106,13 @@ def add_bench(sub) -> None:
     se.add_argument("--layouts", default="disaggregated,colocated")
     se.add_argument("--max-context", type=int, default=2048)
     se.add_argument("--kv-budget-mb", type=int, default=1536, help="per worker")
+    se.add_argument(
+        "--decode-cpu-nice",
+        type=nice_increment,
+        default=0,
+        help="the disaggregated decode worker's --cpu-nice (it shares the cores with the "
+        "prefill worker)",
+    )
     se.add_argument("--json-out")
     se.add_argument("--plot", default=str(REPO / "docs" / "bench_serve.png"), help="PNG path")
     se.set_defaults(func=cmd_bench_serve)
@@ -355,6 +362,7 @@ def cmd_bench_serve(a) -> int:
         layouts=tuple(a.layouts.split(",")),
         max_context=a.max_context,
         kv_budget_mb=a.kv_budget_mb,
+        decode_cpu_nice=a.decode_cpu_nice,
     )
     print(f"mix: {s.mix.describe()}")
     print(f"SLO: TTFT <= {s.slo_ttft_ms:g} ms and mean ITL <= {s.slo_itl_ms:g} ms")

@@ -127,6 +127,7 @@ class Settings:
     max_context: int = 2048
     kv_budget_mb: int = 1536
     worker_args: tuple[str, ...] = ()  # extra arguments for every worker
+    decode_cpu_nice: int = 0  # the disaggregated decode worker's --cpu-nice (see Layout.start)
     warm: bool = True
 
     def requests_at(self, c: int) -> int:
@@ -214,7 +215,11 @@ class Layout:
             self.redis.url, s.checkpoint, worker_args=args + tuple(s.worker_args),
             echo=self.compiles,
         )  # fmt: skip
-        self.workers = [self.cluster.worker("decode", f"{self.name}-d0")] + [
+        # Disaggregated, the decode worker shares the cores with the prefill worker: a nice
+        # value gives prefills the CPU first, as a colocated worker's prefill-first
+        # iterations do (a CPU-weight split between tiers; separate slices on TPU).
+        nice = ("--cpu-nice", str(s.decode_cpu_nice)) if self.n_prefill else ()
+        self.workers = [self.cluster.worker("decode", f"{self.name}-d0", *nice)] + [
             self.cluster.worker("prefill", f"{self.name}-p{i}") for i in range(self.n_prefill)
         ]
         cfg = self.tmp / "loadbalancer.yaml"
