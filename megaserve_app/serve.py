@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 
+from megaserve.worker_args import nice_increment
 from megaserve_app.launch import Cluster, RedisProcess
 from megaserve_app.supervise import GiveUp, Supervisor
 
@@ -39,6 +40,14 @@ def add_arguments(p) -> None:
         "--tp", type=int, default=1, help="each worker's --tp (on CPU: forced host devices)"
     )
     p.add_argument("--ep", type=int, default=1, help="each worker's --ep (Qwen3-MoE experts)")
+    p.add_argument(
+        "--decode-cpu-nice",
+        type=nice_increment,
+        default=0,
+        help="the decode workers' --cpu-nice while prefill workers share the machine: "
+        "prefills get the cores first (shorter first tokens, longer gaps between tokens; "
+        "docs/benchmarks.md, bench serve)",
+    )
     p.add_argument("--demo-prompt", default="What is the capital of France?")
     p.add_argument("--no-demo", action="store_true", help="do not stream a first answer")
     p.add_argument("--verbose", action="store_true", help="relay every process's log lines")
@@ -124,10 +133,12 @@ def _start(a, cluster: Cluster) -> dict:
     """Starts the workers and the router; returns name -> a function that starts it again
     with the same flags (the router on the port it bound)."""
     spawn = {}
+    nice = ("--cpu-nice", str(a.decode_cpu_nice)) if a.prefill_workers else ()
     for kind, n in (("prefill", a.prefill_workers), ("decode", a.decode_workers)):
+        extra = nice if kind == "decode" else ()
         for i in range(n):
-            cluster.worker(kind, f"{kind}-{i}")
-            spawn[f"{kind}-{i}"] = lambda k=kind, w=f"{kind}-{i}": cluster.worker(k, w)
+            cluster.worker(kind, f"{kind}-{i}", *extra)
+            spawn[f"{kind}-{i}"] = lambda k=kind, w=f"{kind}-{i}", e=extra: cluster.worker(k, w, *e)
     extra = ["--host", a.host] + (["--config", a.config] if a.config else [])
     cluster.router("router", *extra, port=a.port)
 

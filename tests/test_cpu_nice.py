@@ -12,7 +12,7 @@ from megaserve_app.launch import megaserve_cmd
 from tests.stack import Stack, make_chat_checkpoint
 
 
-def _thread_nices(pid: int) -> dict[int, int]:
+def thread_nices(pid: int) -> dict[int, int]:
     """tid -> nice of each thread of pid (/proc/PID/task/TID/stat field 19)."""
     out = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
@@ -27,7 +27,7 @@ def test_worker_threads_run_at_cpu_nice(tmp_path, redis_server):
     try:
         p = st.worker("prefill", "p-nice", "--cpu-nice", "5")
         p.wait_ready(300)
-        nices = _thread_nices(p.p.pid)
+        nices = thread_nices(p.p.pid)
         group = Path(f"/proc/{p.p.pid}/autogroup")
         group = group.read_text() if group.exists() else ""
     finally:

@@ -14,6 +14,7 @@ import pytest
 from megaserve_app.launch import child_env
 from tests.conftest import REPO
 from tests.stack import make_chat_checkpoint
+from tests.test_cpu_nice import thread_nices
 
 
 def _descendants(pid: int) -> set[int]:
@@ -46,6 +47,15 @@ def _alive(pids: set[int]) -> set[int]:
     return alive
 
 
+def _role(pid: int) -> str:
+    """A child's megaserve subcommand (decode-worker, router...) or its program name."""
+    try:
+        argv = open(f"/proc/{pid}/cmdline").read().split("\0")
+    except OSError:
+        return ""
+    return next((a for a in argv if a.endswith(("-worker", "router"))), argv[0])
+
+
 def _serve(*args: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "megaserve_app.cli", "serve", "--port", "0", *args]
     return subprocess.Popen(
@@ -55,8 +65,11 @@ def _serve(*args: str) -> subprocess.Popen:
 
 def test_serve_answers_then_sigterm_stops_everything(tmp_path):
     ck = make_chat_checkpoint(tmp_path / "ck")
-    p = _serve("--checkpoint", str(ck), "--kv-budget-mb", "8", "--max-context", "512")
-    lines, children = [], set()
+    p = _serve(
+        "--checkpoint", str(ck), "--kv-budget-mb", "8", "--max-context", "512",
+        "--decode-cpu-nice", "4",
+    )  # fmt: skip
+    lines, children, nices = [], set(), {}
     try:
         end = time.monotonic() + 240
         while time.monotonic() < end:
@@ -66,10 +79,15 @@ def test_serve_answers_then_sigterm_stops_everything(tmp_path):
             lines.append(line)
             if line.startswith("megaserve is serving"):
                 children = _descendants(p.pid)
+                nices = {_role(c): set(thread_nices(c).values()) for c in children}
             if children and line.strip() and not line.startswith(("megaserve", ">", "router")):
                 break  # the demo answer streamed
         assert children, "".join(lines)
         assert len(children) >= 4, children  # redis, prefill, decode, router
+        # --decode-cpu-nice: the decode worker beside a prefill worker runs at base + 4.
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        assert nices.get("decode-worker") == {min(19, base + 4)}, nices
+        assert nices.get("prefill-worker") == {base}, nices
         p.send_signal(signal.SIGTERM)
         out, _ = p.communicate(timeout=60)
         lines.append(out)
