@@ -370,6 +370,7 @@ class Dispatcher:
                 resumed=resumed,
                 timeout=lambda: self._timeout(deadline),
             )
+            costs.lap("worker_call")  # the Reserve and Prefill calls
             # Where a disaggregated first token's time went (docs/benchmarks.md, bench serve):
             # Reserve and the KV commit each wait for the decode worker's current step.
             log.info(
@@ -381,6 +382,7 @@ class Dispatcher:
                 compute_ms=round(h.prefill.compute_ms, 1),
                 kv_transfer_ms=round(h.prefill.transfer_ms, 1),
             )
+            costs.lap("log")
             self.state.expect(p, prompt)
             self.breakers.success(p.id)
         except HandoffFailed as e:

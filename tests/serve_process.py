@@ -42,6 +42,15 @@ def descendants(pid: int) -> dict[int, str]:
     return out
 
 
+def thread_nices(pid: int) -> dict[int, int]:
+    """tid -> nice of each thread of pid (/proc/PID/task/TID/stat field 19)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            out[int(tid)] = int(f.read().rsplit(")", 1)[1].split()[16])
+    return out
+
+
 def pid_of(serve_pid: int, worker_id: str) -> int:
     found = [p for p, c in descendants(serve_pid).items() if f"--worker-id {worker_id} " in c]
     assert len(found) == 1, (worker_id, found)

@@ -9,16 +9,8 @@ import subprocess
 from pathlib import Path
 
 from megaserve_app.launch import megaserve_cmd
+from tests.serve_process import thread_nices
 from tests.stack import Stack, make_chat_checkpoint
-
-
-def thread_nices(pid: int) -> dict[int, int]:
-    """tid -> nice of each thread of pid (/proc/PID/task/TID/stat field 19)."""
-    out = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-        out[int(tid)] = int(stat.rsplit(")", 1)[1].split()[16])
-    return out
 
 
 def test_worker_threads_run_at_cpu_nice(tmp_path, redis_server):

@@ -13,26 +13,13 @@ import pytest
 
 from megaserve_app.launch import child_env
 from tests.conftest import REPO
+from tests.serve_process import descendants, thread_nices
 from tests.stack import make_chat_checkpoint
-from tests.test_cpu_nice import thread_nices
 
 
-def _descendants(pid: int) -> set[int]:
-    """Every live process whose parent chain reaches pid (via /proc)."""
-    parents = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    parents[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-    out, frontier = set(), {pid}
-    while frontier:
-        kids = {p for p, pp in parents.items() if pp in frontier}
-        out |= kids
-        frontier = kids
-    return out
+def _role(cmd: str) -> str:
+    """A child's megaserve subcommand (decode-worker, prefill-worker, router) or its command."""
+    return next((r for r in ("decode-worker", "prefill-worker", "router") if f" {r} " in cmd), cmd)
 
 
 def _alive(pids: set[int]) -> set[int]:
@@ -45,15 +32,6 @@ def _alive(pids: set[int]) -> set[int]:
         except OSError:
             pass
     return alive
-
-
-def _role(pid: int) -> str:
-    """A child's megaserve subcommand (decode-worker, router...) or its program name."""
-    try:
-        argv = open(f"/proc/{pid}/cmdline").read().split("\0")
-    except OSError:
-        return ""
-    return next((a for a in argv if a.endswith(("-worker", "router"))), argv[0])
 
 
 def _serve(*args: str) -> subprocess.Popen:
@@ -78,8 +56,9 @@ def test_serve_answers_then_sigterm_stops_everything(tmp_path):
                 break
             lines.append(line)
             if line.startswith("megaserve is serving"):
-                children = _descendants(p.pid)
-                nices = {_role(c): set(thread_nices(c).values()) for c in children}
+                kids = descendants(p.pid)  # pid -> command line
+                children = set(kids)
+                nices = {_role(cmd): set(thread_nices(c).values()) for c, cmd in kids.items()}
             if children and line.strip() and not line.startswith(("megaserve", ">", "router")):
                 break  # the demo answer streamed
         assert children, "".join(lines)
