@@ -13,6 +13,7 @@ from typing import Any
 
 import structlog
 
+from decode_service.commands import Commands
 from decode_service.emission import Emission
 from decode_service.events import TokenEvent, top_logprobs
 from decode_service.prefill_step import PrefillStep, PromptScoring
@@ -58,7 +59,7 @@ class EngineConfig:
     parallel: ParallelConfig = ParallelConfig()
 
 
-class DecodeEngine(Emission, StepFailures, PrefillStep):
+class DecodeEngine(Commands, Emission, StepFailures, PrefillStep):
     """Owns the pool, allocator, scheduler, reservations and runner; the public methods are
     safe from any thread (the engine thread owns all state below them)."""
 
@@ -245,19 +246,6 @@ class DecodeEngine(Emission, StepFailures, PrefillStep):
         if self._thread:
             self._thread.join(timeout=30)
 
-    def _call(self, fn, *args):
-        """Runs fn on the engine thread (the allocator is single-threaded) and waits."""
-        return self._submit(fn, *args).result(timeout=30)
-
-    def _submit(self, fn, *args) -> Future:
-        """Queues fn for the engine thread (commands run in order); returns its Future."""
-        fut: Future = Future()
-        self._commands.put((fut, fn, args))
-        self._wake.set()
-        if self._thread is None:  # not started (unit tests drive run_once themselves)
-            self._run_commands()
-        return fut
-
     def _forget(self, request_id: str) -> None:
         with self._lock:
             self._live.pop(request_id, None)
@@ -266,17 +254,6 @@ class DecodeEngine(Emission, StepFailures, PrefillStep):
             self._scoring.pop(request_id, None)
 
     # -- engine thread -----------------------------------------------------------------
-    def _run_commands(self) -> None:
-        while True:
-            try:
-                fut, fn, args = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                fut.set_result(fn(*args))
-            except Exception as e:  # surfaced to the caller's thread
-                fut.set_exception(e)
-
     def _start_imported(self, res: Reservation) -> None:
         """The reservation's pages become the sequence's; it decodes from the first token."""
         seq = res.waiter
@@ -362,7 +339,8 @@ class DecodeEngine(Emission, StepFailures, PrefillStep):
     def _run_decode(self, seqs: list[Sequence]) -> None:
         batch = TokenBatch.from_rows([([s.tokens[-1]], len(s.tokens) - 1, s.pages) for s in seqs])
         want = any(s.logprobs for s in seqs)
-        toks, logits = self.runner.decode(batch, self._rows(seqs), n_steps=1, want_logits=want)
+        # Commands run while the step computes (Commands._serve_until), not after it.
+        toks, logits = self.runner.decode(batch, self._rows(seqs), 1, want, self._serve_until)
         self.steps += 1
         for i, (s, t) in enumerate(zip(seqs, toks[0].tolist())):
             s.num_computed = len(s.tokens)

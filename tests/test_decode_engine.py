@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -123,3 +126,54 @@ def test_warm_up_compiles_every_program_the_engine_then_runs(tiny_model):
     pool.write_pages(np.arange(1, 6, dtype=np.int32), k, k)
     assert engine.runner.programs_run.late_compiles == 0
     assert pool.programs_run.late_compiles == 0
+
+
+def _wrap_hook(engine: DecodeEngine, wrap) -> None:
+    """engine.runner.decode with its `while_running` hook replaced by wrap(hook)."""
+    real = engine.runner.decode
+    engine.runner.decode = lambda b, s, n, want, hook: real(b, s, n, want, wrap(hook))
+
+
+def test_commands_run_while_the_step_is_on_the_device(tiny_model, monkeypatch):
+    """The runner hands over after the step's dispatch (the pool already its output), before
+    any read-back; the engine serves its commands there until the step is done."""
+    from megaserve.runner import xla
+
+    engine = DecodeEngine(tiny_model, EngineConfig(max_context=64))
+    order: list[str] = []
+    real_to_host = xla.to_host
+    monkeypatch.setattr(xla, "to_host", lambda x: order.append("to_host") or real_to_host(x))
+    before: list = []
+
+    def wrap(hook):
+        def held(done):
+            order.append("hook")
+            assert engine.pool.k is not before[-1]  # the step's output, being computed
+            # A Reserve queued now (from another thread, as a gRPC handler would) is served
+            # before the step's tokens are read back.
+            res = []
+            t = threading.Thread(target=lambda: res.append(engine.reserve("r", [4, 5], 30.0)))
+            engine._thread = t  # the engine counts as started: the command only queues
+            t.start()
+            end = time.monotonic() + 10
+            hook(lambda: (bool(res) or time.monotonic() > end) and done())
+            order.append(f"reserved {res[0].request_id}" if res else "not served")
+            engine._thread = None
+            engine._run_commands()  # (only when the hook did not serve it: unblocks the call)
+            t.join()
+
+        return held
+
+    _wrap_hook(engine, wrap)
+    engine.submit(Sequence("a", [1, 2, 3], SamplingParams(), 2, frozenset()), lambda e: None)
+    engine.run_once()  # its prefill: no decode step yet
+    before.append(engine.pool.k)
+    order.clear()
+    engine.run_once()  # one decode step
+    assert order == ["hook", "reserved r", "to_host"], order
+    assert "r" in engine.reservations
+    assert engine.drop_reservation("r")
+    while not engine.idle:
+        engine.run_once()
+    engine.alloc.check_invariants()
+    assert engine.alloc.all_free_or_cached()

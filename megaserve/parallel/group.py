@@ -220,8 +220,10 @@ class LeaderRunner:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def decode(self, batch, sampling, n_steps=None, want_logits=False):
+    def decode(self, batch, sampling, n_steps=None, want_logits=False, while_running=None):
         run = self.leader.run
+        # `while_running` is not passed on: the group's calls and page writes are broadcast
+        # and run in one order on every process, which a write during the step would break.
         return run(Call.DECODE, self.inner.decode, batch, sampling, n_steps, want_logits)
 
     def prefill(self, batch, sampling):

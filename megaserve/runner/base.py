@@ -4,6 +4,7 @@ backend (XLA everywhere, the Pallas megakernel on TPU)."""
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,12 +89,16 @@ class Runner(abc.ABC):
         sampling: SamplingArrays,
         n_steps: int | None = None,
         want_logits: bool = False,
+        while_running: Callable[[Callable[[], bool]], None] | None = None,
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """Runs n_steps decode steps (default `step_cfg.steps_per_call`) in one device call.
 
         Args:
           batch: one new token per row (its last token, at position num_cached); each
             row's pages must cover positions up to num_cached + n_steps.
+          while_running: called once with `done` (True once the step's results are ready)
+            after the step is dispatched, with the pool already the step's output, before
+            its tokens are read back: the engine serves its commands there until done().
         Returns:
           (i32[n_steps, S] sampled tokens, f32[n_steps, S, V] logits or None).
         """

@@ -134,13 +134,14 @@ class MegakernelRunner(XlaRunner):
         b = len(p.tokens)
         tok, pos = p.tokens, p.positions
         out_t, out_l = [], []
-        for _ in range(n_steps):
+        for i in range(n_steps):
             nxt, logits, self.pool.k, self.pool.v = self._run(
                 "pallas_decode", (b,), self._pallas_fn(b), self.mparams, self.pool.k,
                 self.pool.v, tok, pos, p.page_table, s,
             )  # fmt: skip
             out_t.append(nxt)
             out_l.append(logits)
-            tok = np.asarray(nxt).astype(np.int32)
-            pos = np.where(pos >= 0, pos + 1, -1).astype(np.int32)
-        return np.stack([np.asarray(t) for t in out_t]), jnp.stack(out_l)
+            if i + 1 < n_steps:  # the last step's tokens stay on the device: no wait here
+                tok = np.asarray(nxt).astype(np.int32)
+                pos = np.where(pos >= 0, pos + 1, -1).astype(np.int32)
+        return jnp.stack(out_t), jnp.stack(out_l)

@@ -3,6 +3,7 @@ the shape buckets."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
 from types import ModuleType
@@ -231,12 +232,15 @@ class XlaRunner(Runner):
         sampling: SamplingArrays,
         n_steps: int | None = None,
         want_logits: bool = False,
+        while_running: Callable[[Callable[[], bool]], None] | None = None,
     ) -> tuple[np.ndarray, np.ndarray | None]:
         n_steps = n_steps or self.step_cfg.steps_per_call
         p = self.pad_decode(batch)
         b = len(p.tokens)
+        while_running = while_running or _nothing
         if sampling.counts is None:
             toks, logits = self.decode_call(p, sampling.padded(b), n_steps)
+            while_running(toks.is_ready)  # dispatch is asynchronous: the step runs meanwhile
             toks = to_host(toks)[:, : p.rows]
             return toks, (to_host(logits)[:, : p.rows] if want_logits else None)
         # Penalized rows: one step per call, the next token picked from the logits with the
@@ -245,6 +249,8 @@ class XlaRunner(Runner):
         out_t, out_l = [], []
         for _ in range(n_steps):
             _, logits = self.decode_call(p, plain, 1)
+            while_running(logits.is_ready)
+            while_running = _nothing
             nxt = self._penalized_pick(logits[0], sampling, p.positions + 1)
             out_t.append(nxt[: p.rows])
             if want_logits:
@@ -253,6 +259,10 @@ class XlaRunner(Runner):
             pos = np.where(p.positions >= 0, p.positions + 1, -1).astype(np.int32)
             p = replace(p, tokens=nxt.astype(np.int32), positions=pos)
         return np.stack(out_t), (np.stack(out_l) if want_logits else None)
+
+
+def _nothing(done: Callable[[], bool]) -> None:
+    return None
 
 
 def to_host(x) -> np.ndarray:
