@@ -59,6 +59,20 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         return SamplingParams.from_proto(request.sampling), prompt
 
     async def Prefill(self, request, context):  # noqa: N802
+        return await self._counted(request, context)
+
+    async def PrefillStream(self, request, context):  # noqa: N802
+        """Prefill, with the first token sent as soon as it is sampled (before the KV's
+        tail is pushed and committed), then the PrefillResponse."""
+
+        async def first(token: int, compute_s: float) -> None:
+            ev = prefill_pb2.FirstToken(token=token, compute_ms=1000 * compute_s)
+            await context.write(prefill_pb2.PrefillEvent(first_token=ev))
+
+        done = await self._counted(request, context, first)
+        await context.write(prefill_pb2.PrefillEvent(done=done))
+
+    async def _counted(self, request, context, on_first=None):
         """At most max_batch + max_queued calls at once, pushes included (each holds its
         prompt's KV on the host until sent): beyond it RESOURCE_EXHAUSTED + retry-after-ms."""
         limit = self.engine.cfg.max_batch + self.engine.cfg.max_queued
@@ -66,13 +80,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await abort_for(context, NoCapacity(f"prefill worker full ({limit} in flight); retry"))
         self.inflight += 1
         try:
-            return await self._prefill(request, context)
+            return await self._prefill(request, context, on_first)
         finally:
             self.inflight -= 1
 
-    async def _prefill(self, request, context):
-        """Validates, prefills and pushes the pages as chunks complete. Why this is long:
-        the encode/send overlap and every failure's status share one flow."""
+    async def _prefill(self, request, context, on_first=None):
+        """Validates, prefills and pushes the pages as chunks complete; `on_first(token,
+        compute_s)` is awaited once the first token is sampled, while the KV's tail is still
+        being pushed. Why this is long: the encode/send overlap and every failure's status
+        share one flow."""
         t_start = time.perf_counter()
         loop = asyncio.get_running_loop()
         try:
@@ -155,6 +171,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             raise
         outbox.put_nowait(wire.trailer(result.first_token))
         outbox.put_nowait(_DONE)
+        if on_first is not None:
+            await on_first(result.first_token, result.compute_s)
         try:
             await call
         except asyncio.CancelledError:

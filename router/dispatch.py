@@ -12,7 +12,6 @@ import contextlib
 import random
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 import grpc
 import structlog
@@ -21,50 +20,18 @@ from megaserve.errors import NoCapacity
 from megaserve.finish import FinishReason
 from megaserve.kv.pages import pages_for_tokens
 from megaserve.rpc import decode_pb2, decode_pb2_grpc, prefill_pb2
-from megaserve.status import retry_after_ms_of
 from router import costs
+from router.chunk import Chunk
 from router.circuit import CircuitBreakers
 from router.config import RouterConfig
 from router.frontend import Job, RouterError
+from router.overload import Overloaded, retry_after_of
 from router.policies import RouteRequest, make_policy
 from router.policies.round_robin import RoundRobin
 from router.state import ClusterState, Session, WorkerView
 from router.workers import HandoffFailed, WorkerClients, WorkerFailed, classify, handoff
 
 log = structlog.get_logger("megaserve.router")
-
-
-class Overloaded(RouterError):
-    """Every worker that could take the request was full: RESOURCE_EXHAUSTED, with the
-    `retry-after-ms` hint the client gets."""
-
-    def __init__(self, message: str, retry_after_ms: int):
-        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
-        self.retry_after_ms = retry_after_ms
-
-
-def _retry_after_of(e: BaseException, default: int) -> int:
-    """The `retry-after-ms` hint of the worker error behind e (its cause chain), or default."""
-    while e is not None:
-        err = getattr(e, "error", e)  # HandoffFailed carries the call's error
-        if isinstance(err, grpc.RpcError):
-            hint = retry_after_ms_of(err)
-            if hint is not None:
-                return hint
-        e = e.__cause__
-    return default
-
-
-@dataclass
-class Chunk:
-    """Tokens from one worker message, in the public request's terms."""
-
-    token_ids: list[int]
-    finish_reason: FinishReason | None
-    cached_tokens: int = 0  # set on the request's first chunk
-    worker_id: str = ""
-    logprobs: list = field(default_factory=list)  # decode_pb2.TokenLogprobs each
-    prompt_logprobs: list = field(default_factory=list)  # the same, on the first chunk
 
 
 class Dispatcher:
@@ -207,7 +174,7 @@ class Dispatcher:
                 if attempts >= self.cfg.retry_max_attempts:
                     why = f"request {job.request_id!r}: {attempts} attempts failed; last: {e}"
                     if busy:  # every worker is full: the client retries after the hint
-                        raise Overloaded(why, _retry_after_of(e, self.cfg.retry_after_ms)) from e
+                        raise Overloaded(why, retry_after_of(e, self.cfg.retry_after_ms)) from e
                     raise RouterError(grpc.StatusCode.UNAVAILABLE, why) from e
                 log.info("retrying", request_id=job.request_id, error=str(e), attempt=attempts)
                 await self._backoff(attempts, deadline)
@@ -293,11 +260,14 @@ class Dispatcher:
         d.inflight_pages += pages
         call = None
         reserved = answered = ended = False
+        ahead = 0  # 1 once the prefill worker's first token went out before the decode stream
         try:
             if prefillers:
                 reserved = True  # from here a reservation may exist on d until Generate attaches
                 p = self._choose("prefill", prefillers, RouteRequest(prompt, None, remaining))
-                await self._prefill_into(d, p, rid, prompt, job, len(generated), deadline)
+                async for c in self._prefill_into(d, p, rid, prompt, job, len(generated), deadline):
+                    ahead = 1
+                    yield c
                 self.stats["disaggregated"] += 1
             else:
                 self.stats["colocated"] += 1
@@ -308,14 +278,12 @@ class Dispatcher:
                     answered = True
                     reason = FinishReason.from_decode_proto(r.finish_reason)
                     ended = reason is not None
-                    yield Chunk(
-                        list(r.token_ids),
-                        reason,
-                        r.cached_tokens,
-                        d.id,
-                        list(r.logprobs),
-                        list(r.prompt_logprobs),
-                    )
+                    ids, lps = list(r.token_ids), list(r.logprobs)
+                    if ahead and ids:  # the stream repeats the token the client already has
+                        ids, lps, ahead = ids[1:], lps[1:], 0
+                        if not ids and reason is None:
+                            continue
+                    yield Chunk(ids, reason, r.cached_tokens, d.id, lps, list(r.prompt_logprobs))
             except grpc.aio.AioRpcError as e:
                 raise classify(d, e, "decode stream") from e
         finally:
@@ -349,16 +317,24 @@ class Dispatcher:
 
     async def _prefill_into(
         self, d: WorkerView, p: WorkerView, rid: str, prompt, job: Job, resumed: int, deadline
-    ) -> None:
-        """Reserve on the decode worker, prefill on p into that reservation."""
+    ) -> AsyncIterator[Chunk]:
+        """Reserve on the decode worker, prefill on p into that reservation. Yields the
+        first token as soon as p samples it, while its KV is still on the way (a disaggregated
+        first token does not wait for the KV's tail, its commit or the Generate call), and
+        returns once the KV is committed."""
         transport = (
             prefill_pb2.TRANSPORT_JAX_TRANSFER
             if self.cfg.transport == "jax_transfer"
             else prefill_pb2.TRANSPORT_GRPC
         )
+        firsts: asyncio.Queue[Chunk] = asyncio.Queue()
+
+        def first(token: int, res: decode_pb2.ReserveResponse) -> None:
+            firsts.put_nowait(Chunk([token], None, res.cached_pages * res.page_size, d.id))
+
         p.inflight += 1
-        try:
-            h = await handoff(
+        task = asyncio.ensure_future(
+            handoff(
                 self.clients,
                 d.address,
                 p.address,
@@ -369,10 +345,17 @@ class Dispatcher:
                 transport=transport,
                 resumed=resumed,
                 timeout=lambda: self._timeout(deadline),
+                on_first_token=first,
             )
+        )
+        got = asyncio.ensure_future(firsts.get())
+        try:
+            await asyncio.wait((task, got), return_when=asyncio.FIRST_COMPLETED)
+            if got.done():
+                yield got.result()
+            h = await task
             costs.lap("worker_call")  # the Reserve and Prefill calls
-            # Where a disaggregated first token's time went (docs/benchmarks.md, bench serve):
-            # Reserve and the KV commit each wait for the decode worker's current step.
+            # Where a disaggregated request's time went (docs/benchmarks.md, bench serve).
             log.info(
                 "handed off",
                 request_id=rid,
@@ -388,5 +371,14 @@ class Dispatcher:
         except HandoffFailed as e:
             raise classify(d if e.at_decode else p, e.error, e.stage) from e
         finally:
+            got.cancel()
+            if not task.done():  # the client left after the first token: stop the hand-off
+                task.cancel()
+                self._spawn(_quietly(task))  # (it releases the reservation; drain waits)
             self.breakers.abandon(p.id)  # no-op after a verdict; else the next may probe
             p.inflight -= 1
+
+
+async def _quietly(task: asyncio.Future) -> None:
+    with contextlib.suppress(BaseException):
+        await task

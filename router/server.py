@@ -23,9 +23,10 @@ from megaserve.v1 import generation_pb2_grpc as pb_grpc
 from router import costs
 from router.config import RouterConfig
 from router.detokenize import IncrementalDetokenizer
-from router.dispatch import Dispatcher, Overloaded
+from router.dispatch import Dispatcher
 from router.frontend import RouterError, chat_messages, invalid, parse_generate, resolve_model
 from router.logprobs import public_logprobs, public_prompt_logprobs
+from router.overload import Overloaded
 from router.readiness import Readiness
 from router.state import ClusterState
 from router.stop_strings import StopStringMatcher

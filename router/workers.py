@@ -120,9 +120,14 @@ async def handoff(
     transport: int = prefill_pb2.TRANSPORT_GRPC,
     resumed: int = 0,
     timeout: Callable[[], float | None] = lambda: None,
+    on_first_token: Callable[[int, decode_pb2.ReserveResponse], None] | None = None,
 ) -> Handoff:
     """Reserves the prompt's pages on the decode worker and has the prefill worker compute
     the KV into that reservation; the caller then calls Decode.Generate with the same id.
+
+    With `on_first_token`, the prefill is PrefillStream: on_first_token(token, reserve) runs
+    as soon as the first token is sampled, before its KV is committed (the hand-off may still
+    fail after it).
 
     On any failure after the Reserve, the reservation is released before this raises.
     Raises HandoffFailed for a worker's error; `timeout()` is asked before each call (it
@@ -139,20 +144,22 @@ async def handoff(
     except grpc.aio.AioRpcError as e:
         raise HandoffFailed("reserve", e) from e
     t1 = time.perf_counter()
+    req = prefill_pb2.PrefillRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling=sampling,
+        decode_address=decode_address,
+        cached_pages=res.cached_pages,
+        page_size=res.page_size,
+        transport=transport,
+        resumed_tokens=resumed,
+    )
+    stub = clients.prefill(prefill_address)
     try:
-        pr = await clients.prefill(prefill_address).Prefill(
-            prefill_pb2.PrefillRequest(
-                request_id=request_id,
-                prompt_token_ids=prompt,
-                sampling=sampling,
-                decode_address=decode_address,
-                cached_pages=res.cached_pages,
-                page_size=res.page_size,
-                transport=transport,
-                resumed_tokens=resumed,
-            ),
-            timeout=timeout(),
-        )
+        if on_first_token is None:
+            pr = await stub.Prefill(req, timeout=timeout())
+        else:
+            pr = await _streamed(stub.PrefillStream(req, timeout=timeout()), on_first_token, res)
     except BaseException as e:
         # Give the pages back now rather than at the end of the lease.
         await clients.release(decode_address, request_id)
@@ -162,3 +169,17 @@ async def handoff(
             raise HandoffFailed(stage, e) from e
         raise
     return Handoff(res, pr, t1 - t0, time.perf_counter() - t1)
+
+
+async def _streamed(call, on_first_token, reserve) -> prefill_pb2.PrefillResponse:
+    """A PrefillStream call's PrefillResponse, with its first token handed on when it comes."""
+    while (ev := await call.read()) is not grpc.aio.EOF:
+        if ev.HasField("first_token"):
+            on_first_token(ev.first_token.token, reserve)
+        elif ev.HasField("done"):
+            return ev.done
+    # A broken prefill worker (the stream ended without its answer): fails as an error would.
+    empty = grpc.aio.Metadata()
+    raise grpc.aio.AioRpcError(
+        grpc.StatusCode.INTERNAL, empty, empty, "PrefillStream ended without a PrefillResponse"
+    )

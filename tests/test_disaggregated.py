@@ -101,9 +101,22 @@ def test_transfer_overlaps_prefill_compute(stack, tiny_model):
 def test_prefill_bad_input(stack):
     _, _, d_addr, p_addr, _ = stack
 
-    async def main(req):
+    async def main(req, streamed_too=True):
         async with grpc.aio.insecure_channel(p_addr) as ch:
-            await prefill_pb2_grpc.PrefillStub(ch).Prefill(req)
+            stub = prefill_pb2_grpc.PrefillStub(ch)
+            if streamed_too:  # the router's call refuses it alike
+                with pytest.raises(grpc.aio.AioRpcError) as streamed:
+                    async for _ in stub.PrefillStream(req):
+                        pass
+            try:
+                await stub.Prefill(req)
+            except grpc.aio.AioRpcError as e:
+                if streamed_too:
+                    assert (e.code(), e.details()) == (
+                        streamed.value.code(),
+                        streamed.value.details(),
+                    )
+                raise
 
     for req, match in [
         (
@@ -132,7 +145,8 @@ def test_prefill_bad_input(stack):
             main(
                 prefill_pb2.PrefillRequest(
                     request_id="nores", prompt_token_ids=[1, 2], decode_address=d_addr, page_size=16
-                )
+                ),
+                streamed_too=False,
             )
         )
     assert ei.value.code() == grpc.StatusCode.NOT_FOUND

@@ -72,11 +72,13 @@ class ScriptedPrefill(prefill_pb2_grpc.PrefillServicer):
     def __init__(self):
         self.calls = []
 
-    async def Prefill(self, req, ctx):
+    async def PrefillStream(self, req, ctx):
         self.calls.append(req.request_id)
         if len(self.calls) == 2:
             await ctx.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker went away")
-        return prefill_pb2.PrefillResponse()
+        first = 100 + req.resumed_tokens  # what ScriptedDecode then streams first
+        yield prefill_pb2.PrefillEvent(first_token=prefill_pb2.FirstToken(token=first))
+        yield prefill_pb2.PrefillEvent(done=prefill_pb2.PrefillResponse(first_token=first))
 
 
 def _view(worker_id: str, role: str, port: int) -> WorkerView:

@@ -25,19 +25,23 @@ _sym_db = _symbol_database.Default()
 from megaserve.rpc import decode_pb2 as megaserve_dot_rpc_dot_decode__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmegaserve/rpc/prefill.proto\x12\x15megaserve.internal.v1\x1a\x1amegaserve/rpc/decode.proto\"\x85\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x37\n\x08sampling\x18\x03 \x01(\x0b\x32%.megaserve.internal.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x05 \x01(\r\x12\x11\n\tpage_size\x18\x06 \x01(\r\x12\x33\n\ttransport\x18\x07 \x01(\x0e\x32 .megaserve.internal.v1.Transport\x12\x16\n\x0eresumed_tokens\x18\x08 \x01(\x05\"\xae\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x12\n\npages_sent\x18\x02 \x01(\r\x12\x12\n\nbytes_sent\x18\x03 \x01(\x04\x12\x18\n\x10prefix_hit_pages\x18\x04 \x01(\r\x12\x12\n\ncompute_ms\x18\x05 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x06 \x01(\x01\x12\x1b\n\x13\x66irst_chunk_sent_ms\x18\x07 \x01(\x01*;\n\tTransport\x12\x12\n\x0eTRANSPORT_GRPC\x10\x00\x12\x1a\n\x16TRANSPORT_JAX_TRANSFER\x10\x01\x32\x63\n\x07Prefill\x12X\n\x07Prefill\x12%.megaserve.internal.v1.PrefillRequest\x1a&.megaserve.internal.v1.PrefillResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmegaserve/rpc/prefill.proto\x12\x15megaserve.internal.v1\x1a\x1amegaserve/rpc/decode.proto\"\x85\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x37\n\x08sampling\x18\x03 \x01(\x0b\x32%.megaserve.internal.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x05 \x01(\r\x12\x11\n\tpage_size\x18\x06 \x01(\r\x12\x33\n\ttransport\x18\x07 \x01(\x0e\x32 .megaserve.internal.v1.Transport\x12\x16\n\x0eresumed_tokens\x18\x08 \x01(\x05\"\xae\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x12\n\npages_sent\x18\x02 \x01(\r\x12\x12\n\nbytes_sent\x18\x03 \x01(\x04\x12\x18\n\x10prefix_hit_pages\x18\x04 \x01(\r\x12\x12\n\ncompute_ms\x18\x05 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x06 \x01(\x01\x12\x1b\n\x13\x66irst_chunk_sent_ms\x18\x07 \x01(\x01\"\x89\x01\n\x0cPrefillEvent\x12\x38\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32!.megaserve.internal.v1.FirstTokenH\x00\x12\x36\n\x04\x64one\x18\x02 \x01(\x0b\x32&.megaserve.internal.v1.PrefillResponseH\x00\x42\x07\n\x05\x65vent\"/\n\nFirstToken\x12\r\n\x05token\x18\x01 \x01(\x05\x12\x12\n\ncompute_ms\x18\x02 \x01(\x01*;\n\tTransport\x12\x12\n\x0eTRANSPORT_GRPC\x10\x00\x12\x1a\n\x16TRANSPORT_JAX_TRANSFER\x10\x01\x32\xc2\x01\n\x07Prefill\x12X\n\x07Prefill\x12%.megaserve.internal.v1.PrefillRequest\x1a&.megaserve.internal.v1.PrefillResponse\x12]\n\rPrefillStream\x12%.megaserve.internal.v1.PrefillRequest\x1a#.megaserve.internal.v1.PrefillEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'megaserve.rpc.prefill_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSPORT']._serialized_start=523
-  _globals['_TRANSPORT']._serialized_end=582
+  _globals['_TRANSPORT']._serialized_start=712
+  _globals['_TRANSPORT']._serialized_end=771
   _globals['_PREFILLREQUEST']._serialized_start=83
   _globals['_PREFILLREQUEST']._serialized_end=344
   _globals['_PREFILLRESPONSE']._serialized_start=347
   _globals['_PREFILLRESPONSE']._serialized_end=521
-  _globals['_PREFILL']._serialized_start=584
-  _globals['_PREFILL']._serialized_end=683
+  _globals['_PREFILLEVENT']._serialized_start=524
+  _globals['_PREFILLEVENT']._serialized_end=661
+  _globals['_FIRSTTOKEN']._serialized_start=663
+  _globals['_FIRSTTOKEN']._serialized_end=710
+  _globals['_PREFILL']._serialized_start=774
+  _globals['_PREFILL']._serialized_end=968
 # @@protoc_insertion_point(module_scope)

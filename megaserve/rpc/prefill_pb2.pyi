@@ -52,3 +52,19 @@ class PrefillResponse(_message.Message):
     transfer_ms: float
     first_chunk_sent_ms: float
     def __init__(self, first_token: _Optional[int] = ..., pages_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., prefix_hit_pages: _Optional[int] = ..., compute_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., first_chunk_sent_ms: _Optional[float] = ...) -> None: ...
+
+class PrefillEvent(_message.Message):
+    __slots__ = ("first_token", "done")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    first_token: FirstToken
+    done: PrefillResponse
+    def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., done: _Optional[_Union[PrefillResponse, _Mapping]] = ...) -> None: ...
+
+class FirstToken(_message.Message):
+    __slots__ = ("token", "compute_ms")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    token: int
+    compute_ms: float
+    def __init__(self, token: _Optional[int] = ..., compute_ms: _Optional[float] = ...) -> None: ...

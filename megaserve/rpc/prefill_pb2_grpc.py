@@ -39,6 +39,11 @@ class PrefillStub:
                 request_serializer=megaserve_dot_rpc_dot_prefill__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=megaserve_dot_rpc_dot_prefill__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.PrefillStream = channel.unary_stream(
+                '/megaserve.internal.v1.Prefill/PrefillStream',
+                request_serializer=megaserve_dot_rpc_dot_prefill__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=megaserve_dot_rpc_dot_prefill__pb2.PrefillEvent.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -53,6 +58,15 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrefillStream(self, request, context):
+        """The same hand-off, streamed: a first event with the first token as soon as it is
+        sampled (its KV is still on the way: a router can send it to its client at once), then
+        the PrefillResponse once the decode worker has committed the KV. Errors as Prefill's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -60,6 +74,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=megaserve_dot_rpc_dot_prefill__pb2.PrefillRequest.FromString,
                     response_serializer=megaserve_dot_rpc_dot_prefill__pb2.PrefillResponse.SerializeToString,
+            ),
+            'PrefillStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.PrefillStream,
+                    request_deserializer=megaserve_dot_rpc_dot_prefill__pb2.PrefillRequest.FromString,
+                    response_serializer=megaserve_dot_rpc_dot_prefill__pb2.PrefillEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -89,6 +108,33 @@ class Prefill:
             '/megaserve.internal.v1.Prefill/Prefill',
             megaserve_dot_rpc_dot_prefill__pb2.PrefillRequest.SerializeToString,
             megaserve_dot_rpc_dot_prefill__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/megaserve.internal.v1.Prefill/PrefillStream',
+            megaserve_dot_rpc_dot_prefill__pb2.PrefillRequest.SerializeToString,
+            megaserve_dot_rpc_dot_prefill__pb2.PrefillEvent.FromString,
             options,
             channel_credentials,
             insecure,
