@@ -51,7 +51,9 @@ class Dispatcher:
     async def drain(self) -> None:
         """Waits for the background Releases of finished attempts (shutdown, tests)."""
         while self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
+            pending = set(self._background)
+            await asyncio.wait(pending)
+            self._background -= pending  # all done (their own discards may not have run yet)
 
     async def close(self) -> None:
         await self.drain()
@@ -265,9 +267,12 @@ class Dispatcher:
             if prefillers:
                 reserved = True  # from here a reservation may exist on d until Generate attaches
                 p = self._choose("prefill", prefillers, RouteRequest(prompt, None, remaining))
-                async for c in self._prefill_into(d, p, rid, prompt, job, len(generated), deadline):
-                    ahead = 1
-                    yield c
+                handing = self._prefill_into(d, p, rid, prompt, job, len(generated), deadline)
+                # Closed here when the client leaves at its first token: the hand-off stops now.
+                async with contextlib.aclosing(handing) as firsts:
+                    async for c in firsts:
+                        ahead = 1
+                        yield c
                 self.stats["disaggregated"] += 1
             else:
                 self.stats["colocated"] += 1
