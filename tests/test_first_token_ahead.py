@@ -96,22 +96,28 @@ def _nothing_left(stack) -> None:
     assert prefill.inflight == 0
 
 
-def test_first_token_comes_before_the_kv_commits(stack, held_commit, tiny_model):
-    gate, _ = held_commit
-    prompt = _prompt(1)
+def _first_then_rest(stack, gate, rid: str, prompt: list[int]):
+    """Runs one request through a Dispatcher: (its first chunk, taken while the decode
+    worker's commit is held, then the chunks after the gate opens, the dispatcher's stats)."""
 
     async def main():
         disp = _dispatcher(stack[1])
         try:
-            async with contextlib.aclosing(disp.run(_job("ahead", prompt), None)) as chunks:
-                # The decode worker's commit is held: this token can only be the prefill's.
+            async with contextlib.aclosing(disp.run(_job(rid, prompt), None)) as chunks:
                 first = await asyncio.wait_for(anext(chunks), 60)
                 gate.set()
-                return first, [c async for c in chunks]
+                return first, [c async for c in chunks], dict(disp.stats)
         finally:
             await disp.close()
 
-    first, rest = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_first_token_comes_before_the_kv_commits(stack, held_commit, tiny_model):
+    gate, _ = held_commit
+    prompt = _prompt(1)
+    # The decode worker's commit is held: the first token can only be the prefill's.
+    first, rest, _ = _first_then_rest(stack, gate, "ahead", prompt)
     assert len(first.token_ids) == 1 and first.finish_reason is None and first.worker_id == "d"
     tokens = first.token_ids + [t for c in rest for t in c.token_ids]
     assert tokens == _reference(tiny_model, prompt)
@@ -139,20 +145,9 @@ def test_client_leaving_after_the_first_token_leaks_nothing(stack, held_commit):
 
 def test_hand_off_failing_after_the_first_token_migrates(stack, held_commit, tiny_model):
     gate, fail = held_commit
-    fail["left"] = 1
+    fail["left"] = 1  # the held commit fails: the request moves on with its first token
     prompt = _prompt(3)
-
-    async def main():
-        disp = _dispatcher(stack[1])
-        try:
-            async with contextlib.aclosing(disp.run(_job("fails", prompt), None)) as chunks:
-                first = await asyncio.wait_for(anext(chunks), 60)
-                gate.set()  # the commit fails: the request moves on with its first token
-                return first, [c async for c in chunks], dict(disp.stats)
-        finally:
-            await disp.close()
-
-    first, rest, stats = asyncio.run(main())
+    first, rest, stats = _first_then_rest(stack, gate, "fails", prompt)
     tokens = first.token_ids + [t for c in rest for t in c.token_ids]
     assert tokens == _reference(tiny_model, prompt)  # every position once
     assert stats["migrations"] == 1, stats
