@@ -98,9 +98,11 @@ async def serve(cfg: WorkerConfig) -> None:
 
 def main(a) -> int:
     from megaserve.logs import configure
+    from megaserve.malloc import keep_large_buffers
 
     configure()
     apply_cpu_nice(a.cpu_nice)  # first: every thread the worker starts inherits it
+    keep_large_buffers()  # KV push messages reuse freed heap memory (megaserve/malloc.py)
     try:
         cfg = config_from_args(a)  # before the model loads: a bad TLS file fails at once
     except (TLSConfigError, MeshError) as e:

@@ -303,11 +303,13 @@ def cmd_bench_server(a: argparse.Namespace) -> int:
 
 def cmd_bench_disagg(a: argparse.Namespace) -> int:
     from megaserve.logs import configure
+    from megaserve.malloc import keep_large_buffers
     from megaserve.model import LoadedModel
     from megaserve_app.bench import summary
     from megaserve_app.bench.disagg import bench_disagg, bench_raw_transfer
 
     configure("warning")
+    keep_large_buffers()  # as the workers do: both ends of the push run in this process
     model = LoadedModel.load(a.checkpoint, progress=False)
     lengths = tuple(int(x) for x in a.lengths.split(","))
     rows = [] if a.raw_only else bench_disagg(model, lengths)
