@@ -272,11 +272,16 @@ class Dispatcher:
                 async with contextlib.aclosing(handing) as firsts:
                     async for c in firsts:
                         ahead = 1
+                        # Generate now, while the KV's tail is on its way: the call waits on
+                        # the reservation and its sequence starts at the commit, without the
+                        # PrefillResponse -> router -> Generate hops in the first token gap.
+                        call = generate(req, timeout=self._timeout(deadline))
                         yield c
                 self.stats["disaggregated"] += 1
             else:
                 self.stats["colocated"] += 1
-            call = generate(req, timeout=self._timeout(deadline))
+            if call is None:
+                call = generate(req, timeout=self._timeout(deadline))
             try:
                 # read(), not `async for`: no response iterator left for the finalizer to close.
                 while (r := await call.read()) is not grpc.aio.EOF:

@@ -152,3 +152,35 @@ def test_hand_off_failing_after_the_first_token_migrates(stack, held_commit, tin
     assert tokens == _reference(tiny_model, prompt)  # every position once
     assert stats["migrations"] == 1, stats
     _nothing_left(stack)
+
+
+def test_generate_waits_on_the_reservation_while_the_kv_is_on_its_way(
+    stack, held_commit, tiny_model
+):
+    gate, _ = held_commit
+    dec, prompt = stack[0], _prompt(4)
+
+    def waiting() -> bool:  # a Generate call attached to a reservation not yet committed
+        return any(r.waiter is not None for r in list(dec.reservations.open.values()))
+
+    async def main():
+        disp = _dispatcher(stack[1])
+        try:
+            async with contextlib.aclosing(disp.run(_job("waits", prompt), None)) as chunks:
+                first = await asyncio.wait_for(anext(chunks), 60)
+                # The commit is held, yet the decode call is already there: the sequence
+                # starts at the commit, not after the PrefillResponse comes back.
+                for _ in range(3000):
+                    if waiting():
+                        break
+                    await asyncio.sleep(0.01)
+                attached = waiting()
+                gate.set()
+                return attached, first.token_ids + [t async for c in chunks for t in c.token_ids]
+        finally:
+            await disp.close()
+
+    attached, tokens = asyncio.run(main())
+    assert attached
+    assert tokens == _reference(tiny_model, prompt)
+    _nothing_left(stack)

@@ -142,8 +142,13 @@ async def write_ahead(call, messages: Iterator) -> None:
     msg = next(messages, None)
     while msg is not None:
         writing = asyncio.ensure_future(call.write(msg))
-        await asyncio.sleep(0)  # the write task runs up to gRPC taking the message
-        msg = next(messages, None)
+        try:
+            await asyncio.sleep(0)  # the write task runs up to gRPC taking the message
+            msg = next(messages, None)
+        except BaseException:  # cancelled, or the encoding failed: the call's status (e.g.
+            # "RPC already finished" once the receiver refused) is not this error's news
+            writing.add_done_callback(lambda f: f.cancelled() or f.exception())
+            raise
         await writing
 
 
