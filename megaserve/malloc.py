@@ -20,9 +20,10 @@ def keep_large_buffers(mmap_threshold: int = 32 << 20, trim_threshold: int = 256
     once the size passes its threshold, so every one is faulted in and zeroed page by page
     (~2900 faults) and unmapped when freed; its dynamic threshold only follows the largest
     freed size per arena, and gRPC's, jax's and Python's threads allocate from several.
-    Reusing freed heap memory instead measured 188.7 MB pushes of 172-192 ms against
-    189-256 ms (`megaserve bench disagg --raw-only`, docs/benchmarks.md). The cost: the
-    process keeps up to `trim_threshold` of freed memory per arena instead of returning it.
+    Reusing freed heap memory instead measured 188.7 MB pushes in 182 ms (median of six
+    runs' medians, 177-197) against 200 (187-279) (`megaserve bench disagg --raw-only`,
+    docs/benchmarks.md). The cost: up to `trim_threshold` bytes freed at the top of the heap
+    stay with the process instead of going back to the system.
     """
     if not sys.platform.startswith("linux"):
         return False
