@@ -10,6 +10,7 @@ import structlog
 
 from decode_service.engine import DecodeEngine
 from megaserve.errors import RequestError, ReservationGone
+from megaserve.futures import retrieve
 from megaserve.kv import frames
 from megaserve.kv.staging import KVImport
 from megaserve.kv.wire import PageGeometry, TransferError
@@ -68,7 +69,8 @@ class KVTransferServicer:
                     staging = asyncio.ensure_future(
                         asyncio.to_thread(self._stage, imp, res, msg.chunk, frame.data, writes)
                     )
-                    staging.add_done_callback(_retrieved)
+                    # A failure is retrieved here; the push reports the first one it awaits.
+                    staging.add_done_callback(retrieve)
                 else:
                     raise TransferError("a second header in one push")
             if staging is not None:
@@ -129,12 +131,6 @@ class KVTransferServicer:
         ready = imp.take_ready()
         if ready:
             writes.append(self.engine.write_import(res, ready))
-
-
-def _retrieved(fut: asyncio.Future) -> None:
-    """Marks a staging failure seen: the push reports the first error it awaits."""
-    if not fut.cancelled():
-        fut.exception()
 
 
 def add_to_server(servicer: KVTransferServicer, server) -> None:

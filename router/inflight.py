@@ -13,6 +13,8 @@ from collections import deque
 import redis
 import redis.connection
 
+from megaserve.futures import retrieve
+
 _SUPPORTED = {"host", "port", "db", "username", "password", "path", "connection_class"}
 
 
@@ -61,12 +63,6 @@ class _Replies(asyncio.Protocol):
             w = self.waiters.popleft()
             if w is not None and not w.done():
                 w.set_exception(err)
-
-
-def _seen(fut: asyncio.Future) -> None:
-    """A background connect's failure is retrieved (the next call tries again)."""
-    if not fut.cancelled():
-        fut.exception()
 
 
 class InflightConnection:
@@ -158,7 +154,8 @@ class InflightConnection:
         r = self._replies
         if r is None or r.transport.is_closing():
             if self._connecting is None or self._connecting.done():
-                asyncio.ensure_future(self._ready()).add_done_callback(_seen)
+                # A failed connect is retrieved: the next call tries again.
+                asyncio.ensure_future(self._ready()).add_done_callback(retrieve)
             return False
         r.waiters.extend([None] * len(commands))
         r.transport.write(b"".join(_encode(*c) for c in commands))

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import redis
 import structlog
 
+from megaserve.futures import retrieve
 from megaserve.kv.block_hash import block_hashes
 from megaserve.redis_conn import async_client
 from megaserve.state_keys import (
@@ -301,8 +302,9 @@ class ClusterState:
         )
         if self._ids is not None:
             self._ids.fire(*cmds)  # down: this placement is not shared (the next one tries)
-        else:  # a TLS or Sentinel URL: through redis-py, off the request's path
-            asyncio.ensure_future(self._publish(cmds)).add_done_callback(_ignore)
+        else:  # a TLS or Sentinel URL: through redis-py, off the request's path; a failed
+            # write only loses this one shared placement
+            asyncio.ensure_future(self._publish(cmds)).add_done_callback(retrieve)
 
     async def _publish(self, cmds) -> None:
         pipe = self.redis.pipeline(transaction=False)
@@ -391,9 +393,3 @@ class ClusterState:
                     await self.redis.delete(inflight_key(request_id))
             except (redis.RedisError, OSError):
                 pass  # the key expires by itself
-
-
-def _ignore(fut: asyncio.Future) -> None:
-    """A background write's failure is retrieved (it only loses one shared placement)."""
-    if not fut.cancelled():
-        fut.exception()

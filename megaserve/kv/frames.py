@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from megaserve.futures import retrieve
 from megaserve.kv import checksum
 from megaserve.rpc import kv_transfer_pb2
 
@@ -147,7 +148,7 @@ async def write_ahead(call, messages: Iterator) -> None:
             msg = next(messages, None)
         except BaseException:  # cancelled, or the encoding failed: the call's status (e.g.
             # "RPC already finished" once the receiver refused) is not this error's news
-            writing.add_done_callback(lambda f: f.cancelled() or f.exception())
+            writing.add_done_callback(retrieve)
             raise
         await writing
 
