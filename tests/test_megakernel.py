@@ -93,36 +93,30 @@ def test_one_step_matches_reference(mini, block_keys):
     np.testing.assert_array_equal(after[:, untouched], before[:, untouched])
 
 
-def test_qwen2_biases_one_step_matches_reference():
+@pytest.mark.parametrize(
+    "overrides, pool_dtype, tol",
+    [
+        (dict(block_keys=2 * PS), jnp.bfloat16, ONE_STEP_LOGITS["llama"]),
+        # Nothing rounded to bf16: the biases must land within f32 rounding (measured
+        # 1.8e-6). With a bf16 pool and f32 matmul inputs the same mini sits 7.2e-5 from the
+        # reference on AVX-512 hosts: a new K/V element that the two summation orders put on
+        # either side of a bf16 rounding step (test_megakernel_tp.py).
+        (dict(act_dtype=jnp.float32, kv_dtype=jnp.float32), jnp.float32, 1e-5),
+    ],
+    ids=["bf16", "f32_pool_and_matmuls"],
+)
+def test_qwen2_biases_one_step_matches_reference(overrides, pool_dtype, tol):
     """Qwen2's q/k/v biases, added to each ring-A tile's output from the vector ring."""
-    m, hf = mini_model("qwen2")
-    plan = make_plan(m.cfg, 4, PS, 4, block_keys=2 * PS)
+    m, _ = mini_model("qwen2")
+    plan = make_plan(m.cfg, 4, PS, 4, **overrides)
     assert plan.qkv_bias
     mp = pack_megakernel(plan, m.params)
-    k, v = _pool(m.cfg, 9)
-    args = (k, v, TOKENS, POSITIONS, PAGE_TABLE)
+    args = (*(x.astype(pool_dtype) for x in _pool(m.cfg, 9)), TOKENS, POSITIONS, PAGE_TABLE)
     rt, rl, _, _, _ = jax.jit(partial(reference_step, plan, mp, interpret=True))(*args)
     kt, kl, _, _, _ = jax.jit(partial(megakernel_step, plan, mp, interpret=True))(*args)
     live = POSITIONS >= 0
     errors = _row_errors(np.asarray(kl)[live], np.asarray(rl)[live])
-    assert (errors <= ONE_STEP_LOGITS["llama"]).all(), errors
-    np.testing.assert_array_equal(np.asarray(kt)[live], np.asarray(rt)[live])
-
-
-def test_qwen2_biases_within_f32_rounding_with_an_f32_pool():
-    """With f32 matmul inputs and an f32 pool nothing is rounded to bf16, so the biases must
-    land within f32 rounding (measured 1.8e-6). With a bf16 pool the same mini sits 7.2e-5
-    from the reference on AVX-512 hosts: a new K/V element whose f32 value the two summation
-    orders put on either side of a bf16 rounding step (test_megakernel_tp.py)."""
-    m, _ = mini_model("qwen2")
-    plan = make_plan(m.cfg, 4, PS, 4, act_dtype=jnp.float32, kv_dtype=jnp.float32)
-    mp = pack_megakernel(plan, m.params)
-    args = (*(x.astype(jnp.float32) for x in _pool(m.cfg, 9)), TOKENS, POSITIONS, PAGE_TABLE)
-    rt, rl, _, _, _ = jax.jit(partial(reference_step, plan, mp, interpret=True))(*args)
-    kt, kl, _, _, _ = jax.jit(partial(megakernel_step, plan, mp, interpret=True))(*args)
-    live = POSITIONS >= 0
-    errors = _row_errors(np.asarray(kl)[live], np.asarray(rl)[live])
-    assert (errors <= 1e-5).all(), errors
+    assert (errors <= tol).all(), errors
     np.testing.assert_array_equal(np.asarray(kt)[live], np.asarray(rt)[live])
 
 
