@@ -122,12 +122,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         except NoCapacity as e:
             await abort_for(context, e)  # RESOURCE_EXHAUSTED + retry-after-ms
         call = self._push(request.decode_address)()
+        # The decode worker's early refusal: stop writing, half-close, then read its status
+        # (one of our writes in flight when the status lands would replace it).
+        refused = frames.watch_refusal(call, lambda: outbox.put_nowait(_DONE))
 
         async def writer():
             # Explicit writes (not a request iterator): when the decode worker refuses early,
             # the call then reports its real status instead of a generic INTERNAL.
             try:
                 while (item := await outbox.get()) is not _DONE:
+                    if refused.is_set():  # what is queued is dropped on the way to _DONE
+                        continue
                     if not isinstance(item, tuple):  # a pull chunk, or the trailer
                         await call.write(item)
                         continue
@@ -136,7 +141,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     # encoder thread (which contends for the GIL), two chunk buffers live.
                     first, k, v = item
                     await frames.write_ahead(
-                        call, wire.chunk_frames(first, np.asarray(k), np.asarray(v))
+                        call, wire.chunk_frames(first, np.asarray(k), np.asarray(v)), refused
                     )
                 await call.done_writing()
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 
 import grpc
 import numpy as np
@@ -11,10 +13,12 @@ import pytest
 from decode_service.engine import DecodeEngine, EngineConfig, wait_idle
 from decode_service.scheduler import SchedulerConfig
 from decode_service.server import create_server as create_decode
+from megaserve.kv import frames, wire
 from megaserve.offline import OfflineGenerator
 from megaserve.rpc import prefill_pb2, prefill_pb2_grpc
 from megaserve.sampling_params import SamplingParams
 from megaserve.server_thread import ServerThread
+from megaserve.status import Reason, reason_of
 from prefill_service.engine import PrefillConfig, PrefillEngine
 from prefill_service.server import create_server as create_prefill
 from tests.stack import disagg_generate as _disagg
@@ -150,3 +154,37 @@ def test_prefill_bad_input(stack):
             )
         )
     assert ei.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_refused_push_reports_the_decode_workers_status_to_a_sender_still_writing(stack):
+    """A push refused at its header (no such reservation) while the sender writes on: the
+    decode worker's NOT_FOUND and reason reach the sender every time. grpcio turns a status
+    that lands while a write is in flight into that write's INTERNAL ("Internal error from
+    Core"); the decode worker therefore announces the refusal in its initial metadata and
+    sends the status once the sender has stopped writing."""
+    _, _, d_addr, _, _ = stack
+    k = np.zeros((2, 64, 16, 2, 32), np.float32)  # a 1 MiB chunk; the drain does not check it
+    chunk = frames.encode_chunk(0, list(range(1, 65)), k, k)
+    geo = wire.PageGeometry.of_pages(k)
+
+    async def push(rid: str, heed_notice: bool):
+        async with grpc.aio.insecure_channel(d_addr) as ch:
+            call = frames.push_call(ch)()
+            refused = frames.watch_refusal(call)
+            await call.write(wire.header(rid, geo, 0, 64))
+            if heed_notice:  # a megaserve sender: the notice comes before any status
+                await asyncio.wait_for(refused.wait(), 30)
+            else:  # a sender that writes on regardless (another peer)
+                with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                    await frames.write_ahead(call, iter([chunk] * 20))  # as prefill's writer
+            await call.done_writing()
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await call
+            return ei.value.code(), reason_of(ei.value), refused.is_set()
+
+    async def main():
+        got = [await push(f"gone-{i}", heed_notice=i == 0) for i in range(30)]
+        return collections.Counter(got)
+
+    want = (grpc.StatusCode.NOT_FOUND, Reason.RESERVATION_NOT_FOUND, True)
+    assert asyncio.run(main()) == {want: 30}

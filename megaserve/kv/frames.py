@@ -6,7 +6,7 @@ field access). The bytes are ordinary KVPush encodings; any protobuf peer reads 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -19,6 +19,9 @@ from megaserve.rpc import kv_transfer_pb2
 SERVICE = kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
 PUSH_METHOD = f"/{SERVICE}/Push"
 _CHUNK_TAG = b"\x12"  # KVPush.chunk: field 2, length-delimited
+# Initial metadata a receiver sends when it refuses a push whose sender may still be
+# writing (the value names the status code that follows once the sender half-closes).
+REFUSED_KEY = "megaserve-kv-refused"
 _DATA_FIELD = 5  # KVChunk.data
 
 
@@ -136,12 +139,13 @@ def _decode_chunk(buf: memoryview) -> Frame:
     return Frame(kv_transfer_pb2.KVPush(chunk=chunk), data)
 
 
-async def write_ahead(call, messages: Iterator) -> None:
+async def write_ahead(call, messages: Iterator, stop: asyncio.Event | None = None) -> None:
     """Writes `messages` to a streaming call, taking (e.g. encoding) the next one from the
     iterator while the one before is on its way: the write is handed to gRPC's own threads
-    first, so the two overlap without a thread of ours contending for the GIL."""
+    first, so the two overlap without a thread of ours contending for the GIL. Stops
+    early, without taking another message, once `stop` is set (e.g. `watch_refusal`)."""
     msg = next(messages, None)
-    while msg is not None:
+    while msg is not None and not (stop is not None and stop.is_set()):
         writing = asyncio.ensure_future(call.write(msg))
         try:
             await asyncio.sleep(0)  # the write task runs up to gRPC taking the message
@@ -151,6 +155,31 @@ async def write_ahead(call, messages: Iterator) -> None:
             writing.add_done_callback(retrieve)
             raise
         await writing
+
+
+_watching: set[asyncio.Future] = set()
+
+
+def watch_refusal(call, on_refused: Callable[[], None] | None = None) -> asyncio.Event:
+    """An Event set when the receiver of push `call` sends its refusal notice (initial
+    metadata with REFUSED_KEY; `on_refused` is called then too). The sender then stops
+    writing and half-closes, and the receiver's status follows: a status that reached
+    grpcio while one of our writes was still in flight would be replaced by that write's
+    INTERNAL "Internal error from Core" (see decode_service/kv_service.py)."""
+    refused = asyncio.Event()
+
+    async def watch():
+        metadata = await call.initial_metadata()  # at the refusal, or with the response
+        if any(key == REFUSED_KEY for key, _ in metadata or ()):
+            refused.set()
+            if on_refused is not None:
+                on_refused()
+
+    task = asyncio.ensure_future(watch())  # ends with the call at the latest
+    _watching.add(task)  # (the loop keeps only a weak reference to a task)
+    task.add_done_callback(_watching.discard)
+    task.add_done_callback(retrieve)
+    return refused
 
 
 def push_call(channel: grpc.aio.Channel):

@@ -50,6 +50,10 @@ class KVTransferServicer:
         when all expected (layer, page) cells have arrived. Errors: NOT_FOUND (unknown or
         expired reservation), INVALID_ARGUMENT (bad checksum, shape, dtype, range, duplicate),
         DATA_LOSS (stream ended early); on any of them the reservation's pages are freed.
+        A receiver refusing while the sender may still be writing first sends initial metadata
+        `megaserve-kv-refused: <code name>`, reads and drops what still comes (up to 10 s), and
+        sends the status once the sender half-closes: a sender should stop and half-close at
+        the notice (a status arriving during a write of its own is lost in grpcio).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
