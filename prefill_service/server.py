@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from concurrent.futures import Future
 
 import grpc
 import numpy as np
@@ -24,6 +25,21 @@ from prefill_service.metrics import PrefillMetrics
 SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
 log = structlog.get_logger("megaserve.prefill")
 _DONE = object()
+
+
+async def _unless_refused(job: Future, refused: asyncio.Event):
+    """The prefill job's result, or None when the decode worker refused the push first: the
+    job is then cancelled, so the engine drops the prompt instead of computing KV that no
+    one takes (a refusal at the header comes before the first chunk)."""
+    result = asyncio.wrap_future(job)
+    notice = asyncio.ensure_future(refused.wait())
+    try:
+        await asyncio.wait((result, notice), return_when=asyncio.FIRST_COMPLETED)
+        return result.result() if result.done() else None
+    finally:
+        notice.cancel()
+        if not result.done():  # refused, or this call was cancelled (the client left)
+            result.cancel()  # cancels the job with it
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
@@ -163,7 +179,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             job = self.engine.submit(
                 prompt, sampling, cached, on_pages, request.resumed_tokens, deadline
             )
-            result = await asyncio.wrap_future(job)
+            result = await _unless_refused(job, refused)  # None: refused, the job dropped
         except (RequestError, NoCapacity, DeadlineExpired) as e:
             call.cancel()  # the decode side frees the reservation when the stream breaks
             writing.cancel()
@@ -174,10 +190,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             call.cancel()
             writing.cancel()
             raise
-        outbox.put_nowait(wire.trailer(result.first_token))
-        outbox.put_nowait(_DONE)
-        if on_first is not None:
-            await on_first(result.first_token, result.compute_s)
+        if result is not None:
+            outbox.put_nowait(wire.trailer(result.first_token))
+            outbox.put_nowait(_DONE)
+            if on_first is not None:
+                await on_first(result.first_token, result.compute_s)
         try:
             await call
         except asyncio.CancelledError:
@@ -196,6 +213,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 decode_reason=str(reason_of(e) or ""),
             )
         await writing
+        if result is None:  # a refusal notice, then no error status: not a megaserve peer
+            await context.abort(grpc.StatusCode.INTERNAL, "decode worker refused, then said OK")
         return self._response(request.request_id, result, sent, stamps, t_start)
 
     def _response(self, rid: str, result, sent: dict, stamps: dict, t_start: float):

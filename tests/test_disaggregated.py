@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import threading
+import time
 
 import grpc
 import numpy as np
@@ -18,7 +20,7 @@ from megaserve.offline import OfflineGenerator
 from megaserve.rpc import prefill_pb2, prefill_pb2_grpc
 from megaserve.sampling_params import SamplingParams
 from megaserve.server_thread import ServerThread
-from megaserve.status import Reason, reason_of
+from megaserve.status import Reason, error_metadata, reason_of
 from prefill_service.engine import PrefillConfig, PrefillEngine
 from prefill_service.server import create_server as create_prefill
 from tests.stack import disagg_generate as _disagg
@@ -188,3 +190,33 @@ def test_a_refused_push_reports_the_decode_workers_status_to_a_sender_still_writ
 
     want = (grpc.StatusCode.NOT_FOUND, Reason.RESERVATION_NOT_FOUND, True)
     assert asyncio.run(main()) == {want: 30}
+
+
+def test_a_refusal_at_the_header_drops_the_prompt_before_its_compute(stack):
+    """The decode worker refuses the push at its header (no reservation): the prefill worker
+    answers its NOT_FOUND at once and drops the prompt, with its first chunk still held."""
+    _, pre, d_addr, p_addr, _ = stack
+    gate, step = threading.Event(), pre._step
+    pre._step = lambda: (gate.wait(60), step())  # the engine thread waits before each chunk
+    prompt = [i % 90 for i in range(200)]
+    req = prefill_pb2.PrefillRequest(
+        request_id="refused-early", prompt_token_ids=prompt, decode_address=d_addr, page_size=16
+    )
+
+    async def main():
+        async with grpc.aio.insecure_channel(p_addr) as ch:
+            return await prefill_pb2_grpc.PrefillStub(ch).Prefill(req, timeout=30)
+
+    calls = pre.batched_calls
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            asyncio.run(main())
+        assert ei.value.code() == grpc.StatusCode.NOT_FOUND, ei.value.details()
+        assert error_metadata(ei.value)["decode_reason"] == Reason.RESERVATION_NOT_FOUND
+    finally:
+        pre._step = step
+        gate.set()
+    deadline = time.monotonic() + 30
+    while pre._active and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not pre._active and pre.batched_calls <= calls + 1  # at most the held chunk ran
