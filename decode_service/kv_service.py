@@ -131,9 +131,9 @@ class KVTransferServicer:
     async def _refuse(self, request_iterator, context, code, reason, message: str) -> None:
         """Ends a push with an error status once its sender has stopped writing. grpcio
         replaces a status that reaches the client while one of its writes is in flight
-        with that write's INTERNAL "Internal error from Core" (without this, 14-17 of the
-        30 refused pushes of tests/test_disaggregated.py's sender that writes on lost their
-        NOT_FOUND and reason). So the refusal goes ahead as initial metadata
+        with that write's INTERNAL "Internal error from Core" (without this, 14-17 of 30
+        refused pushes of a sender writing on, as in tests/test_disaggregated.py, lost
+        their NOT_FOUND and reason). So the refusal goes ahead as initial metadata
         (frames.REFUSED_KEY: a megaserve sender stops and half-closes), what is still on
         its way is read and dropped (unchecked), and then the status goes out."""
         with contextlib.suppress(Exception):  # (metadata already sent: the status still follows)

@@ -12,6 +12,7 @@ import numpy as np
 import structlog
 
 from megaserve.errors import NoCapacity, RequestError
+from megaserve.futures import retrieve
 from megaserve.grpc_server import start_serving
 from megaserve.kv import frames, wire
 from megaserve.kv.pages import pages_for_tokens
@@ -28,14 +29,16 @@ _DONE = object()
 
 
 async def _unless_refused(job: Future, refused: asyncio.Event):
-    """The prefill job's result, or None when the decode worker refused the push first: the
+    """The prefill job's result, or None once the decode worker has refused the push: the
     job is then cancelled, so the engine drops the prompt instead of computing KV that no
-    one takes (a refusal at the header comes before the first chunk)."""
+    one takes (a refusal at the header can come before the first chunk), and no first
+    token goes out for a hand-off that has failed."""
     result = asyncio.wrap_future(job)
+    result.add_done_callback(retrieve)  # a failure after this call was cancelled: unread
     notice = asyncio.ensure_future(refused.wait())
     try:
         await asyncio.wait((result, notice), return_when=asyncio.FIRST_COMPLETED)
-        return result.result() if result.done() else None
+        return None if refused.is_set() else result.result()
     finally:
         notice.cancel()
         if not result.done():  # refused, or this call was cancelled (the client left)
@@ -143,8 +146,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         refused = frames.watch_refusal(call, lambda: outbox.put_nowait(_DONE))
 
         async def writer():
-            # Explicit writes (not a request iterator): when the decode worker refuses early,
-            # the call then reports its real status instead of a generic INTERNAL.
+            # Explicit writes (not a request iterator), stopped at the refusal notice: a
+            # write in flight when the decode worker's status lands would replace it.
             try:
                 while (item := await outbox.get()) is not _DONE:
                     if refused.is_set():  # what is queued is dropped on the way to _DONE

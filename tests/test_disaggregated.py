@@ -194,7 +194,8 @@ def test_a_refused_push_reports_the_decode_workers_status_to_a_sender_still_writ
 
 def test_a_refusal_at_the_header_drops_the_prompt_before_its_compute(stack):
     """The decode worker refuses the push at its header (no reservation): the prefill worker
-    answers its NOT_FOUND at once and drops the prompt, with its first chunk still held."""
+    answers its NOT_FOUND at once and drops the prompt, while the engine's chunks are held
+    (before the change it waited for the whole prompt's compute)."""
     _, pre, d_addr, p_addr, _ = stack
     gate, step = threading.Event(), pre._step
     pre._step = lambda: (gate.wait(60), step())  # the engine thread waits before each chunk
