@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
 
 
 def retrieve(fut: asyncio.Future) -> None:
@@ -11,3 +12,12 @@ def retrieve(fut: asyncio.Future) -> None:
     already reports or that does not matter."""
     if not fut.cancelled():
         fut.exception()
+
+
+def spawn(coro: Coroutine, tasks: set) -> asyncio.Task:
+    """Runs coro as a task held in `tasks` until it ends: the event loop keeps only a weak
+    reference to a task, so one nobody holds can vanish mid-run."""
+    task = asyncio.ensure_future(coro)
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
+    return task

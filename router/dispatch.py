@@ -18,6 +18,7 @@ import structlog
 
 from megaserve.errors import NoCapacity
 from megaserve.finish import FinishReason
+from megaserve.futures import spawn
 from megaserve.kv.pages import pages_for_tokens
 from megaserve.rpc import decode_pb2, decode_pb2_grpc, prefill_pb2
 from router import costs
@@ -321,9 +322,7 @@ class Dispatcher:
         return rpc
 
     def _spawn(self, coro) -> None:
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        spawn(coro, self._background)
 
     async def _prefill_into(
         self, d: WorkerView, p: WorkerView, rid: str, prompt, job: Job, resumed: int, deadline

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from megaserve.futures import retrieve
+from megaserve.futures import retrieve, spawn
 from megaserve.kv import checksum
 from megaserve.rpc import kv_transfer_pb2
 
@@ -175,10 +175,7 @@ def watch_refusal(call, on_refused: Callable[[], None] | None = None) -> asyncio
             if on_refused is not None:
                 on_refused()
 
-    task = asyncio.ensure_future(watch())  # ends with the call at the latest
-    _watching.add(task)  # (the loop keeps only a weak reference to a task)
-    task.add_done_callback(_watching.discard)
-    task.add_done_callback(retrieve)
+    spawn(watch(), _watching).add_done_callback(retrieve)  # ends with the call at the latest
     return refused
 
 
