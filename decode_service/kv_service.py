@@ -111,22 +111,37 @@ class KVTransferServicer:
             log.warning("kv push too late", request_id=rid, error=str(e))
             await refuse(grpc.StatusCode.NOT_FOUND, Reason.RESERVATION_NOT_FOUND, str(e))
         except (TransferError, RequestError) as e:
-            self.failures += 1
-            if self.metrics:
-                self.metrics.kv_failures.inc()
-            if rid is not None:
-                await asyncio.to_thread(self.engine.drop_reservation, rid)
             log.warning("kv push refused", request_id=rid, error=str(e))
-            await refuse(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                Reason.KV_TRANSFER_INVALID,
-                f"{e}; reservation freed",
+            await self._fail(
+                rid, refuse, grpc.StatusCode.INVALID_ARGUMENT, Reason.KV_TRANSFER_INVALID, f"{e}"
+            )
+        except grpc.aio.AbortError:
+            raise  # a status decided above (DATA_LOSS for an incomplete push, a refusal)
+        except Exception as e:  # a fault of this worker's (staging, a pool write, the commit)
+            log.exception("kv push failed", request_id=rid)
+            # Refused like a bad push, so a sender still writing gets this status, not
+            # grpcio's INTERNAL "Internal error from Core" (see _refuse).
+            await self._fail(
+                rid,
+                refuse,
+                grpc.StatusCode.INTERNAL,
+                Reason.KV_HANDOFF_FAILED,
+                f"the decode worker failed the push: {e!r}",
             )
         self.bytes_committed += imp.bytes
         if self.metrics:
             self.metrics.kv_bytes.inc(imp.bytes)
             self.metrics.kv_seconds.observe(time.perf_counter() - t0)
         return kv_transfer_pb2.KVPushResponse(bytes=imp.bytes, chunks=imp.chunks)
+
+    async def _fail(self, rid, refuse, code, reason, message: str) -> None:
+        """A push that cannot be committed: its reservation freed, then refused."""
+        self.failures += 1
+        if self.metrics:
+            self.metrics.kv_failures.inc()
+        if rid is not None:
+            await asyncio.to_thread(self.engine.drop_reservation, rid)
+        await refuse(code, reason, f"{message}; reservation freed")
 
     async def _refuse(self, request_iterator, context, code, reason, message: str) -> None:
         """Ends a push with an error status once its sender has stopped writing. grpcio

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from decode_service.engine import DecodeEngine, EngineConfig, wait_idle
+from decode_service.kv_service import KVTransferServicer
 from decode_service.scheduler import SchedulerConfig
 from decode_service.server import create_server as create_decode
 from megaserve.kv import frames, wire
@@ -190,6 +191,49 @@ def test_a_refused_push_reports_the_decode_workers_status_to_a_sender_still_writ
 
     want = (grpc.StatusCode.NOT_FOUND, Reason.RESERVATION_NOT_FOUND, True)
     assert asyncio.run(main()) == {want: 30}
+
+
+def test_a_push_the_decode_worker_fails_reports_internal_and_frees_its_reservation(
+    stack, monkeypatch
+):
+    """A fault of the decode worker's own during a push (its staging raises here: a bug, a
+    pool write that fails), the sender writing on: INTERNAL with KV_HANDOFF_FAILED, naming
+    the fault, reaches the sender every time (not grpcio's INTERNAL from Core, without a
+    reason), and the reservation is freed at once. The fault is injected: nothing a sender
+    does can cause it."""
+    dec, _, d_addr, _, _ = stack
+
+    def broken(self, *args):
+        raise RuntimeError("staging broke")
+
+    monkeypatch.setattr(KVTransferServicer, "_stage", broken)
+    geo = wire.PageGeometry.of_pool(dec.pool)
+    k = np.zeros((geo.num_layers, 13, geo.page_size, geo.kv_heads, geo.head_dim), np.float32)
+    chunk = frames.encode_chunk(0, list(range(13)), k, k)
+    prompt = [i % 90 for i in range(200)]  # 13 pages
+
+    async def push(rid: str):
+        dec.reserve(rid, prompt, lease_s=60)
+        async with grpc.aio.insecure_channel(d_addr) as ch:
+            call = frames.push_call(ch)()
+            await call.write(wire.header(rid, geo, 0, 13))
+            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                await frames.write_ahead(call, iter([chunk] * 20))
+            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                await call.done_writing()
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await call
+        freed = dec.reservation(rid) is None
+        return ei.value.code(), reason_of(ei.value), "staging broke" in ei.value.details(), freed
+
+    async def main():
+        return collections.Counter([await push(f"broken-{i}") for i in range(10)])
+
+    want = (grpc.StatusCode.INTERNAL, Reason.KV_HANDOFF_FAILED, True, True)
+    assert asyncio.run(main()) == {want: 10}
+    wait_idle(dec)
+    dec.alloc.check_invariants()
+    assert dec.alloc.all_free_or_cached()
 
 
 def test_a_refusal_at_the_header_drops_the_prompt_before_its_compute(stack):
