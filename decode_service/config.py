@@ -90,6 +90,7 @@ def config_from_args(a) -> WorkerConfig:
             max_context=a.max_context,
             backend=a.backend,
             parallel=parallel_from_args(a, group),
+            cpu_turns=a.cpu_turns or "",
             scheduler=SchedulerConfig(
                 max_running=a.max_running, max_waiting=a.max_waiting, prefill_chunk=a.prefill_chunk
             ),

@@ -23,6 +23,7 @@ from decode_service.scheduler import Scheduler, SchedulerConfig
 from decode_service.sequence import Sequence
 from decode_service.step_failures import StepFailures
 from kernels.programs import Program
+from megaserve.cpu_turns import cpu_turns
 from megaserve.errors import DuplicateRequest, NoCapacity, RequestError, check_prompt_ids
 from megaserve.finish import FinishReason
 from megaserve.kv.allocator import PageAllocator
@@ -57,6 +58,9 @@ class EngineConfig:
     kernel_matmul_dtype: Any = None
     # --tp x --ep: the model and pool over this many devices (the XLA step under shard_map).
     parallel: ParallelConfig = ParallelConfig()
+    # --cpu-turns: a lock file shared with the workers on the same cores (megaserve.cpu_turns);
+    # each iteration's compute is one turn. "" = none.
+    cpu_turns: str = ""
 
 
 class DecodeEngine(Commands, Emission, StepFailures, PrefillStep):
@@ -73,6 +77,7 @@ class DecodeEngine(Commands, Emission, StepFailures, PrefillStep):
         )
         self.alloc = PageAllocator(self.pool.num_pages, cfg.page_size)
         self.max_pages_per_seq = math.ceil(cfg.max_context / cfg.page_size)
+        self.turns = cpu_turns(cfg.cpu_turns)  # shared with the other workers on these cores
         step_cfg = step_config(cfg.scheduler, cfg.scheduler.max_running, self.max_pages_per_seq)
         self.runner = make_runner(
             model.family, mc, model.params, self.pool, step_cfg, cfg.backend,
@@ -298,19 +303,21 @@ class DecodeEngine(Commands, Emission, StepFailures, PrefillStep):
         self._apply_cancels()
         self._expire_queued()
         plan = self.sched.plan()
-        worked = False
+        if not (plan.prefill or plan.decode):
+            return False
         t0 = time.monotonic()
-        if plan.prefill:
-            self._run_prefills(plan.prefill)
-            worked = True
-        decode = [s for s in plan.decode if s.request_id in self._live]  # a failed prefill
-        if decode:
-            self._guarded(decode, self._run_decode, decode)
-            worked = True
+        # The compute is one --cpu-turns turn; commands and admission need none (a Reserve
+        # does not wait for another worker's prefill call).
+        with self.turns:
+            if plan.prefill:
+                self._run_prefills(plan.prefill)
+            decode = [s for s in plan.decode if s.request_id in self._live]  # a failed prefill
+            if decode:
+                self._guarded(decode, self._run_decode, decode)
         took = time.monotonic() - t0
         if took > STALL_S:
             self._stalled_s += took
-        return worked
+        return True
 
     def _apply_cancels(self) -> None:
         with self._lock:
@@ -365,6 +372,7 @@ class DecodeEngine(Commands, Emission, StepFailures, PrefillStep):
             "imported_requests": self.imported_requests,
             "requests": self.requests,
             "step_failures": self.step_failures,
+            "cpu_turn_wait_s": round(self.turns.waited_s, 3),
         }
 
 

@@ -73,6 +73,15 @@ def add_common_arguments(p, max_context: int) -> None:
         "decode worker beside a prefill worker on one CPU host: prefills get the cores "
         "first and decode steps wait (measured trade-off: docs/benchmarks.md, bench serve)",
     )
+    p.add_argument(
+        "--cpu-turns",
+        type=turns_path,
+        metavar="PATH",
+        help="a lock file shared with the other workers on this host's cores: each decode "
+        "iteration or prefill call takes a turn, handed over in turn, instead of computing "
+        "beside the others at half speed (megaserve/cpu_turns.py; docs/benchmarks.md, bench "
+        "serve)",
+    )
     from megaserve.security import add_tls_arguments
 
     add_tls_arguments(p)
@@ -88,6 +97,16 @@ def positive_int(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
     return n
+
+
+def turns_path(text: str) -> str:
+    """--cpu-turns PATH: its directory must exist (the lock files are made in it)."""
+    import argparse
+
+    parent = Path(text).parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: directory {str(parent)!r} does not exist")
+    return text
 
 
 def nice_increment(text: str) -> int:

@@ -4,9 +4,11 @@ dies (megaserve_app/supervise.py); stops on SIGTERM/Ctrl-C or when it cannot go 
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 
@@ -47,6 +49,14 @@ def add_arguments(p) -> None:
         help="the decode workers' --cpu-nice while prefill workers share the machine: "
         "prefills get the cores first (shorter first tokens, longer gaps between tokens; "
         "docs/benchmarks.md, bench serve)",
+    )
+    p.add_argument(
+        "--cpu-turns",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the workers take turns on this machine's cores (each one's --cpu-turns on one "
+        "lock file of the stack's): a decode step between any two prefill calls, each "
+        "computing alone (docs/benchmarks.md, bench serve --cpu-turns)",
     )
     p.add_argument("--demo-prompt", default="What is the capital of France?")
     p.add_argument("--no-demo", action="store_true", help="do not stream a first answer")
@@ -123,9 +133,12 @@ def _registered(redis_url: str, workers: set[str]):
     return registered
 
 
-def worker_args(a) -> tuple[str, ...]:
-    """The flags every worker of the stack gets from `megaserve serve`'s."""
+def worker_args(a, turns: str = "") -> tuple[str, ...]:
+    """The flags every worker of the stack gets from `megaserve serve`'s; `turns`: the lock
+    file of their --cpu-turns (with --cpu-turns and prefill workers beside the decode ones)."""
     args = ("--kv-budget-mb", str(a.kv_budget_mb), "--max-context", str(a.max_context))
+    if turns and a.cpu_turns and a.prefill_workers:
+        args += ("--cpu-turns", turns)
     return (*args, "--warm-up", a.warm_up, "--tp", str(a.tp), "--ep", str(a.ep))
 
 
@@ -167,7 +180,9 @@ def serve(a) -> int:
         redis_url = redis.url
     else:
         redis_url = a.redis_url
-    cluster = Cluster(redis_url, a.checkpoint, worker_args=worker_args(a), echo=_echo(a.verbose))
+    turns = tempfile.TemporaryDirectory(prefix="megaserve-turns-")
+    args = worker_args(a, os.path.join(turns.name, "cpu-turns"))
+    cluster = Cluster(redis_url, a.checkpoint, worker_args=args, echo=_echo(a.verbose))
     t0 = time.monotonic()
     try:
         print(f"redis: {redis_url}" + (" (private)" if redis else ""), flush=True)
@@ -214,4 +229,5 @@ def serve(a) -> int:
         cluster.stop()
         if redis:
             redis.kill()
+        turns.cleanup()
         print("stopped", flush=True)

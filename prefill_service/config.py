@@ -92,5 +92,6 @@ def config_from_args(a) -> WorkerConfig:
             chunk=a.prefill_chunk,
             max_queued=a.max_queued,
             parallel=parallel_from_args(a),
+            cpu_turns=a.cpu_turns or "",
         ),
     )

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from kernels.kv_cache import KVPool
 from kernels.programs import Program
+from megaserve.cpu_turns import cpu_turns
 from megaserve.errors import NoCapacity, RequestError, check_prompt_ids
 from megaserve.kv.allocator import PageAllocator
 from megaserve.kv.block_hash import block_hashes
@@ -44,6 +45,9 @@ class PrefillConfig:
     max_queued: int = 64  # prompts waiting for a batch row; beyond it NoCapacity
     # --tp x --ep: the model and pool over this many devices (the XLA programs under shard_map).
     parallel: ParallelConfig = ParallelConfig()
+    # --cpu-turns: a lock file shared with the workers on the same cores (megaserve.cpu_turns);
+    # each prefill call is one turn. "" = none.
+    cpu_turns: str = ""
 
     def __post_init__(self):
         for name in ("max_batch", "max_queued", "chunk"):
@@ -133,6 +137,7 @@ class PrefillEngine:
         self.shared_inflight_pages = 0  # pages taken from prompts computed alongside
         self.expired = 0  # prompts dropped at their deadline (queued or between chunks)
         self.clock = time.monotonic  # deadlines are on this clock; tests inject a fake one
+        self.turns = cpu_turns(cfg.cpu_turns)  # shared with the other workers on these cores
         self._thread = threading.Thread(target=self._loop, name="prefill-engine", daemon=True)
         self._thread.start()
 
@@ -192,7 +197,8 @@ class PrefillEngine:
                     break
             if self._active:
                 try:
-                    self._step()
+                    with self.turns:  # one prefill call and its page reads
+                        self._step()
                 except Exception as e:  # a failed program fails its batch, not the worker
                     for job in self._active:
                         self._fail(job, e)
@@ -234,6 +240,7 @@ class PrefillEngine:
             "batched_calls": self.batched_calls,
             "rows_computed": self.rows_computed,
             "shared_inflight_pages": self.shared_inflight_pages,
+            "cpu_turn_wait_s": round(self.turns.waited_s, 3),
         }
 
     def _step(self) -> None:

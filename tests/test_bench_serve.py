@@ -31,6 +31,8 @@ def test_bench_serve_smoke(tmp_path):
         kv_budget_mb=8,
         worker_args=("--prefill-chunk", "64"),
         decode_cpu_nice=3,  # the disaggregated decode worker starts with --cpu-nice 3
+        cpu_turns=True,  # and both disaggregated workers with --cpu-turns on one file
+        prefill_chunk=32,  # the prefill worker's --prefill-chunk (after worker_args' 64)
     )
     partial = []
     out = bench_serve(s, log=lambda *_: None, on_row=partial.append)

@@ -22,6 +22,12 @@ def _role(cmd: str) -> str:
     return next((r for r in ("decode-worker", "prefill-worker", "router") if f" {r} " in cmd), cmd)
 
 
+def _flag(cmd: str, name: str) -> str:
+    """The value after `name` in a command line, or ""."""
+    words = cmd.split()
+    return words[words.index(name) + 1] if name in words else ""
+
+
 def _alive(pids: set[int]) -> set[int]:
     alive = set()
     for p in pids:
@@ -47,7 +53,7 @@ def test_serve_answers_then_sigterm_stops_everything(tmp_path):
         "--checkpoint", str(ck), "--kv-budget-mb", "8", "--max-context", "512",
         "--decode-cpu-nice", "4",
     )  # fmt: skip
-    lines, children, nices = [], set(), {}
+    lines, children, nices, turns = [], set(), {}, {}
     try:
         end = time.monotonic() + 240
         while time.monotonic() < end:
@@ -59,6 +65,7 @@ def test_serve_answers_then_sigterm_stops_everything(tmp_path):
                 kids = descendants(p.pid)  # pid -> command line
                 children = set(kids)
                 nices = {_role(cmd): set(thread_nices(c).values()) for c, cmd in kids.items()}
+                turns = {_role(cmd): _flag(cmd, "--cpu-turns") for cmd in kids.values()}
             if children and line.strip() and not line.startswith(("megaserve", ">", "router")):
                 break  # the demo answer streamed
         assert children, "".join(lines)
@@ -67,6 +74,9 @@ def test_serve_answers_then_sigterm_stops_everything(tmp_path):
         base = os.getpriority(os.PRIO_PROCESS, 0)
         assert nices.get("decode-worker") == {min(19, base + 4)}, nices
         assert nices.get("prefill-worker") == {base}, nices
+        # --cpu-turns (the default): both workers take turns on one lock file of the stack's.
+        assert turns["decode-worker"] and turns["decode-worker"] == turns["prefill-worker"], turns
+        assert os.path.exists(turns["decode-worker"]), turns
         p.send_signal(signal.SIGTERM)
         out, _ = p.communicate(timeout=60)
         lines.append(out)
@@ -78,6 +88,7 @@ def test_serve_answers_then_sigterm_stops_everything(tmp_path):
     assert "stopped" in text
     time.sleep(0.5)
     assert not _alive(children), f"orphans: {_alive(children)}"
+    assert not os.path.exists(os.path.dirname(turns["decode-worker"]))  # removed at the stop
 
 
 @pytest.mark.slow

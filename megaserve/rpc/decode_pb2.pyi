@@ -131,7 +131,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("total_pages", "free_pages", "cached_pages", "running", "waiting", "reserved", "steps", "preemptions", "page_size", "prefill_tokens", "cached_prompt_tokens", "imported_requests", "requests", "step_failures")
+    __slots__ = ("total_pages", "free_pages", "cached_pages", "running", "waiting", "reserved", "steps", "preemptions", "page_size", "prefill_tokens", "cached_prompt_tokens", "imported_requests", "requests", "step_failures", "cpu_turn_wait_s")
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,7 @@ class StatsResponse(_message.Message):
     IMPORTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     STEP_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    CPU_TURN_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     total_pages: int
     free_pages: int
     cached_pages: int
@@ -160,4 +161,5 @@ class StatsResponse(_message.Message):
     imported_requests: int
     requests: int
     step_failures: int
-    def __init__(self, total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., reserved: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., page_size: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., imported_requests: _Optional[int] = ..., requests: _Optional[int] = ..., step_failures: _Optional[int] = ...) -> None: ...
+    cpu_turn_wait_s: float
+    def __init__(self, total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., reserved: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., page_size: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., imported_requests: _Optional[int] = ..., requests: _Optional[int] = ..., step_failures: _Optional[int] = ..., cpu_turn_wait_s: _Optional[float] = ...) -> None: ...

@@ -107,6 +107,17 @@ def add_bench(sub) -> None:
     se.add_argument("--max-context", type=int, default=2048)
     se.add_argument("--kv-budget-mb", type=int, default=1536, help="per worker")
     se.add_argument(
+        "--cpu-turns",
+        action="store_true",
+        help="the disaggregated layout's prefill and decode workers take turns on the cores "
+        "(their --cpu-turns on one lock file)",
+    )
+    se.add_argument(
+        "--prefill-chunk",
+        type=positive_int,
+        help="the disaggregated prefill worker's --prefill-chunk (default: the worker's own)",
+    )
+    se.add_argument(
         "--decode-cpu-nice",
         type=nice_increment,
         default=0,
@@ -365,6 +376,8 @@ def cmd_bench_serve(a) -> int:
         max_context=a.max_context,
         kv_budget_mb=a.kv_budget_mb,
         decode_cpu_nice=a.decode_cpu_nice,
+        cpu_turns=a.cpu_turns,
+        prefill_chunk=a.prefill_chunk,
     )
     print(f"mix: {s.mix.describe()}")
     print(f"SLO: TTFT <= {s.slo_ttft_ms:g} ms and mean ITL <= {s.slo_itl_ms:g} ms")

@@ -128,6 +128,8 @@ class Settings:
     kv_budget_mb: int = 1536
     worker_args: tuple[str, ...] = ()  # extra arguments for every worker
     decode_cpu_nice: int = 0  # the disaggregated decode worker's --cpu-nice (see Layout.start)
+    cpu_turns: bool = False  # the disaggregated workers take turns on the cores (--cpu-turns)
+    prefill_chunk: int | None = None  # the prefill worker's --prefill-chunk (None: its default)
     warm: bool = True
 
     def requests_at(self, c: int) -> int:
@@ -216,11 +218,17 @@ class Layout:
             echo=self.compiles,
         )  # fmt: skip
         # Disaggregated, the decode worker shares the cores with the prefill worker: a nice
-        # value gives prefills the CPU first, as a colocated worker's prefill-first
-        # iterations do (a CPU-weight split between tiers; separate slices on TPU).
+        # value gives prefills the CPU first (a CPU-weight split between tiers), or with
+        # --cpu-turns the two alternate, a decode step between any two prefill calls, as a
+        # colocated worker's iterations do (separate slices on TPU: neither applies).
         nice = ("--cpu-nice", str(s.decode_cpu_nice)) if self.n_prefill else ()
-        self.workers = [self.cluster.worker("decode", f"{self.name}-d0", *nice)] + [
-            self.cluster.worker("prefill", f"{self.name}-p{i}") for i in range(self.n_prefill)
+        turns = (
+            ("--cpu-turns", str(self.tmp / "cpu-turns")) if self.n_prefill and s.cpu_turns else ()
+        )
+        chunk = ("--prefill-chunk", str(s.prefill_chunk)) if s.prefill_chunk else ()
+        self.workers = [self.cluster.worker("decode", f"{self.name}-d0", *nice, *turns)] + [
+            self.cluster.worker("prefill", f"{self.name}-p{i}", *turns, *chunk)
+            for i in range(self.n_prefill)
         ]
         cfg = self.tmp / "loadbalancer.yaml"
         cfg.write_text("".join(f"{k}: {v}\n" for k, v in ROUTER_CONFIG[self.name].items()))
@@ -329,6 +337,7 @@ def bench_serve(s: Settings, log=print, on_row=None) -> dict:
                 row |= {
                     "via_prefill_tier": after.imported_requests - before.imported_requests,
                     "preemptions": after.preemptions - before.preemptions,
+                    "decode_turn_wait_s": after.cpu_turn_wait_s - before.cpu_turn_wait_s,
                     "compiles": lay.compiles.n - c0,
                     "compile_s": lay.compiles.seconds - cs0,
                 }
