@@ -4,7 +4,6 @@ dies (megaserve_app/supervise.py); stops on SIGTERM/Ctrl-C or when it cannot go 
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
@@ -52,11 +51,11 @@ def add_arguments(p) -> None:
     )
     p.add_argument(
         "--cpu-turns",
-        action=argparse.BooleanOptionalAction,
-        default=True,
+        action="store_true",
         help="the workers take turns on this machine's cores (each one's --cpu-turns on one "
         "lock file of the stack's): a decode step between any two prefill calls, each "
-        "computing alone (docs/benchmarks.md, bench serve --cpu-turns)",
+        "computing alone; shorter first tokens, longer gaps between tokens (docs/benchmarks.md, "
+        "bench serve --cpu-turns)",
     )
     p.add_argument("--demo-prompt", default="What is the capital of France?")
     p.add_argument("--no-demo", action="store_true", help="do not stream a first answer")

@@ -51,7 +51,7 @@ def test_serve_answers_then_sigterm_stops_everything(tmp_path):
     ck = make_chat_checkpoint(tmp_path / "ck")
     p = _serve(
         "--checkpoint", str(ck), "--kv-budget-mb", "8", "--max-context", "512",
-        "--decode-cpu-nice", "4",
+        "--decode-cpu-nice", "4", "--cpu-turns",
     )  # fmt: skip
     lines, children, nices, turns = [], set(), {}, {}
     try:
@@ -74,7 +74,7 @@ def test_serve_answers_then_sigterm_stops_everything(tmp_path):
         base = os.getpriority(os.PRIO_PROCESS, 0)
         assert nices.get("decode-worker") == {min(19, base + 4)}, nices
         assert nices.get("prefill-worker") == {base}, nices
-        # --cpu-turns (the default): both workers take turns on one lock file of the stack's.
+        # --cpu-turns: both workers take turns on one lock file of the stack's.
         assert turns["decode-worker"] and turns["decode-worker"] == turns["prefill-worker"], turns
         assert os.path.exists(turns["decode-worker"]), turns
         p.send_signal(signal.SIGTERM)
