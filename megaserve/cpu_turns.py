@@ -13,12 +13,12 @@ class CpuTurns:
     iteration, a prefill call), handed over in turn when more than one is waiting.
 
     Why: a decode worker and a prefill worker on the same cores otherwise compute at once,
-    each at about half speed (and each one's XLA thread pool, sized to the whole machine,
-    oversubscribed), so a prompt's prefill runs at half speed beside the decode steps; a
-    lower nice for decode instead lets back-to-back prefill calls hold its steps off. Taking
-    turns gives each step the whole machine and lets a decode step in between any two
-    prefill calls, which is what a colocated worker's iterations do. Uncontended, a turn is
-    four flock(2) calls.
+    each at about half speed (each one's XLA thread pool, sized to the whole machine,
+    oversubscribed). Taking turns gives each step the whole machine and a decode step
+    between any two prefill calls, as a colocated worker's iterations do. Measured on two
+    cores (docs/benchmarks.md, bench serve --cpu-turns): shorter first tokens and longer
+    gaps between tokens, a trade-off like a lower nice for decode, so it is opt-in.
+    Uncontended, a turn is four flock(2) calls.
 
     Fairness is a turnstile of two flock(2) locks (the gate, then the turn itself; the gate
     is let go once the turn is held): a worker that ends its turn and wants another queues
@@ -27,11 +27,7 @@ class CpuTurns:
     while it waits."""
 
     def __init__(self, path: str | os.PathLike):
-        p = Path(path)
-        if not p.parent.is_dir():
-            raise ValueError(
-                f"--cpu-turns {str(path)!r}: directory {str(p.parent)!r} does not exist"
-            )
+        p = Path(path)  # its directory is checked with the flag (worker_args.turns_path)
         # Separate open files: flock(2) locks belong to an open file description.
         self._turn = os.open(p, os.O_RDWR | os.O_CREAT, 0o600)
         self._gate = os.open(p.with_name(p.name + ".gate"), os.O_RDWR | os.O_CREAT, 0o600)

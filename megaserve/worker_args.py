@@ -79,8 +79,8 @@ def add_common_arguments(p, max_context: int) -> None:
         metavar="PATH",
         help="a lock file shared with the other workers on this host's cores: each decode "
         "iteration or prefill call takes a turn, handed over in turn, instead of computing "
-        "beside the others at half speed (megaserve/cpu_turns.py; docs/benchmarks.md, bench "
-        "serve)",
+        "beside the others (shorter first tokens, longer gaps between tokens; "
+        "megaserve/cpu_turns.py; docs/benchmarks.md, bench serve --cpu-turns)",
     )
     from megaserve.security import add_tls_arguments
 
