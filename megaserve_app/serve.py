@@ -134,9 +134,9 @@ def _registered(redis_url: str, workers: set[str]):
 
 def worker_args(a, turns: str = "") -> tuple[str, ...]:
     """The flags every worker of the stack gets from `megaserve serve`'s; `turns`: the lock
-    file of their --cpu-turns (with --cpu-turns and prefill workers beside the decode ones)."""
+    file of their --cpu-turns, if any."""
     args = ("--kv-budget-mb", str(a.kv_budget_mb), "--max-context", str(a.max_context))
-    if turns and a.cpu_turns and a.prefill_workers:
+    if turns:
         args += ("--cpu-turns", turns)
     return (*args, "--warm-up", a.warm_up, "--tp", str(a.tp), "--ep", str(a.ep))
 
@@ -179,8 +179,11 @@ def serve(a) -> int:
         redis_url = redis.url
     else:
         redis_url = a.redis_url
-    turns = tempfile.TemporaryDirectory(prefix="megaserve-turns-")
-    args = worker_args(a, os.path.join(turns.name, "cpu-turns"))
+    # --cpu-turns with prefill workers beside the decode ones: one lock file of the stack's.
+    turns = None
+    if a.cpu_turns and a.prefill_workers:
+        turns = tempfile.TemporaryDirectory(prefix="megaserve-turns-")
+    args = worker_args(a, os.path.join(turns.name, "cpu-turns") if turns else "")
     cluster = Cluster(redis_url, a.checkpoint, worker_args=args, echo=_echo(a.verbose))
     t0 = time.monotonic()
     try:
@@ -228,5 +231,6 @@ def serve(a) -> int:
         cluster.stop()
         if redis:
             redis.kill()
-        turns.cleanup()
+        if turns:
+            turns.cleanup()
         print("stopped", flush=True)
