@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 from functools import cache, partial
 from typing import Any
@@ -77,6 +78,18 @@ def _on_cpu(x) -> bool:
     """Whether x (an array, or an abstract one: then not) lives on a CPU device."""
     sharding = getattr(x, "sharding", None)
     return sharding is not None and next(iter(sharding.device_set)).platform == "cpu"
+
+
+def _in_host_memory(x) -> bool:
+    """Whether x is one buffer in this process's memory: a concrete array on one CPU device
+    (not on TPU, not sharded, not abstract)."""
+    return _on_cpu(x) and len(x.sharding.device_set) == 1
+
+
+def _host_view(x: jax.Array) -> np.ndarray:
+    """A writable numpy view of the memory of x (ready, `_in_host_memory`)."""
+    buf = (ctypes.c_char * x.nbytes).from_address(x.unsafe_buffer_pointer())
+    return np.frombuffer(buf, x.dtype).reshape(x.shape)
 
 
 def pow2_pieces(n: int) -> list[tuple[int, int]]:
@@ -169,8 +182,8 @@ class KVPool:
 
     def write_pages(self, pages: np.ndarray, k_new, v_new) -> None:
         """Writes whole pages (imported KV): k_new/v_new [L, len(pages), page_size, Hkv, D],
-        host arrays (taken in place when 64-byte aligned, on CPU) or device arrays (kept on
-        device)."""
+        host arrays (copied straight into a pool in host memory, else taken by the write
+        program) or device arrays (kept on device)."""
         pages = np.asarray(pages, np.int32)
         rows = (*k_new.shape[:3], -1)  # [.., Hkv * D] rows: a free reshape
         dt = self.k.dtype
@@ -181,11 +194,30 @@ class KVPool:
             return np.asarray(x, dt).reshape(rows)
 
         k_new, v_new = as_rows(k_new), as_rows(v_new)
+        if not isinstance(k_new, jax.Array) and _in_host_memory(self.k):
+            self._write_in_place(pages, k_new, v_new)
+            return
         for s, n in pow2_pieces(len(pages)):
             self.k, self.v = self.programs_run.call(
                 "kv_write", (n,), self.page_fns()[0], self.k, self.v,
                 pages[s : s + n], k_new[:, s : s + n], v_new[:, s : s + n],
             )  # fmt: skip
+
+    def _write_in_place(self, pages: np.ndarray, k_rows: np.ndarray, v_rows: np.ndarray):
+        """Copies host rows [L, n, page_size, Hkv * D] straight into a host-memory pool.
+
+        Why: the program path copies the bytes twice (jax's copy of a host array that is not
+        64-byte aligned, a received payload's usual case, then the page writes), and the KV
+        hand-off is bound by the two CPU cores' memory traffic (docs/benchmarks.md); numpy's
+        copy is one pass, and it lets go of the GIL while it runs. Safe because the pool's
+        arrays belong to this object alone (every program that takes them donates them, and
+        the caller replaces its references), the last program that produced them has
+        finished (waited for below), and nothing reads these pages until they are committed.
+        """
+        jax.block_until_ready((self.k, self.v))
+        kv = self.kv_width
+        for x, rows in ((self.k, k_rows), (self.v, v_rows)):
+            _host_view(x)[:, pages, :, :kv] = rows
 
     def read_pages(self, pages) -> list[tuple[int, jax.Array, jax.Array]]:
         """K, V of `pages` as (offset, k, v) pieces, each [L, n, page_size, Hkv * D] on device

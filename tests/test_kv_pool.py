@@ -60,3 +60,38 @@ def test_a_row_that_is_neither_dense_nor_lane_padded_is_refused():
     assert kv_cache.pool_row(3, 64, "tpu") == 256  # SmolLM2: 192 lanes padded to 256
     assert kv_cache.pool_row(3, 64, "cpu") == 192
     assert kv_cache.pool_row(8, 128, "tpu") == 1024
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_host_pages_are_copied_into_a_cpu_pool_in_place_behind_a_step_in_flight(dtype):
+    """On CPU, host pages go straight into the pool's memory (`KVPool._write_in_place`);
+    the pool equals one written by the program path (device arrays), also right after a
+    program that donated the pool was dispatched and is still running (without the wait
+    for it this test fails: that program's output overwrote the pages)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    dt = jnp.dtype(dtype)
+    direct, programmed = (KVPool.create(3, 200, 16, 2, 64, dt) for _ in range(2))
+    # ~50 ms of work on 5 MB: still running when write_pages is called right after.
+    slow = lambda x: lax.fori_loop(0, 60, lambda i, y: y * 0.5 + 1, x)  # noqa: E731
+    step = jax.jit(lambda k, v: (slow(k), slow(v)), donate_argnums=(0, 1))
+    rng = np.random.default_rng(1)
+    for n in (5, 16, 3):
+        pages = rng.choice(np.arange(1, 200), n, replace=False).astype(np.int32)
+        k = rng.normal(size=(3, n, 16, 2, 64)).astype(np.float32)
+        v = rng.normal(size=(3, n, 16, 2, 64)).astype(np.float32)
+        for pool in (direct, programmed):
+            pool.k, pool.v = step(pool.k, pool.v)
+        direct.write_pages(pages, k, v)
+        programmed.write_pages(pages, jnp.asarray(k), jnp.asarray(v))
+        jax.block_until_ready(programmed.k)
+        np.testing.assert_array_equal(
+            np.asarray(direct.k[:, pages], np.float32),
+            k.astype(dt).reshape(3, n, 16, 128).astype(np.float32),
+        )
+    for a, b in ((direct.k, programmed.k), (direct.v, programmed.v)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert len(direct.programs_run) == 0  # no write program: numpy copied the pages
+    assert len(programmed.programs_run) > 0
