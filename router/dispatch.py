@@ -210,13 +210,14 @@ class Dispatcher:
             for w in self._candidates("prefill", job, failed)
             if w.info.page_size == d.info.page_size
         ]
-        # A worker that said it is full (this request) counts as busy.
+        # A worker that failed this request or said it is full is not asked again: the
+        # decode worker can prefill the prompt itself.
         free = [
             w
             for w in pool
-            if w.load < self.cfg.prefill_busy_threshold_running and not failed.get(w.id)
+            if w.load < self.cfg.prefill_busy_threshold_running and w.id not in failed
         ]
-        return free  # all busy (or none): co-locate rather than queue behind them
+        return free  # all busy or failed (or none): co-locate rather than wait on them
 
     async def _attempt(
         self, job: Job, d: WorkerView, prompt: list[int], generated, failed, deadline, try_no

@@ -41,10 +41,16 @@ def classify(worker, e: grpc.aio.AioRpcError, what: str) -> Exception:
         return RouterError(code, f"deadline exceeded during {what}")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED or reason_of(e) == Reason.NO_CAPACITY:
         return NoCapacity(f"{worker.id}: {what}: {e.details()}", source=worker)
-    if error_metadata(e).get("decode_reason") == Reason.RESERVATION_NOT_FOUND:
+    decode_reason = error_metadata(e).get("decode_reason")
+    if decode_reason == Reason.RESERVATION_NOT_FOUND:
         # The decode worker let the reservation go before the KV came (stalled past the
         # lease, or restarted): its failure, not the request's; try again.
         return WorkerFailed(worker, f"{what}: reservation lost before the KV: {e.details()}")
+    if decode_reason == Reason.KV_TRANSFER_INVALID:
+        # The decode worker refused the KV the prefill worker sent (a checksum mismatch,
+        # pages that do not fit its pool): a fault between the two workers, whatever the
+        # code; the request passed validation before any KV moved.
+        return WorkerFailed(worker, f"{what}: the decode worker refused the KV: {e.details()}")
     if code in WORKER_FAILED_CODES:
         return WorkerFailed(worker, f"{what}: {code.name} {e.details()}")
     return RouterError(code, e.details() or f"{what} failed with {code.name}")
@@ -89,7 +95,8 @@ class WorkerClients:
 
 class HandoffFailed(Exception):
     """A hand-off step failed; `at_decode` says whether the decode worker is to blame (its
-    Reserve, or the KV push into it) rather than the prefill worker."""
+    Reserve, or the KV push into it) rather than the prefill worker (its prefill, or KV the
+    decode worker found invalid)."""
 
     def __init__(self, stage: str, error: grpc.aio.AioRpcError):
         super().__init__(f"{stage}: {error.code().name} {error.details()}")
@@ -97,6 +104,8 @@ class HandoffFailed(Exception):
 
     @property
     def at_decode(self) -> bool:
+        if error_metadata(self.error).get("decode_reason") == Reason.KV_TRANSFER_INVALID:
+            return False  # the sender's pages: the decode worker stays usable co-located
         return self.stage in ("reserve", "kv push")
 
 

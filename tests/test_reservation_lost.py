@@ -19,7 +19,7 @@ from megaserve.rpc import decode_pb2, decode_pb2_grpc, kv_transfer_pb2_grpc
 from megaserve.server_thread import ServerThread
 from megaserve.status import Reason, reason_of, rich_status
 from router.frontend import RouterError
-from router.workers import WorkerFailed, classify
+from router.workers import HandoffFailed, WorkerFailed, classify
 
 PROMPT = list(range(3, 23))  # 20 tokens: two pages of 16
 
@@ -106,8 +106,14 @@ def test_the_router_retries_a_handoff_that_lost_its_reservation():
     lost = classify(_Worker(), _prefill_error(Reason.RESERVATION_NOT_FOUND), "kv push")
     assert isinstance(lost, WorkerFailed) and lost.worker.id == "decode-x"
     assert "reservation lost before the KV" in str(lost)
-    # Any other refusal of the push stays the request's own error.
-    other = classify(_Worker(), _prefill_error(Reason.KV_TRANSFER_INVALID), "kv push")
+    assert HandoffFailed("kv push", _prefill_error(Reason.RESERVATION_NOT_FOUND)).at_decode
+    # KV the decode worker found invalid is the sender's: the prefill worker is blamed, and
+    # the request is retried (tests/test_handoff_invalid.py runs it through real workers).
+    bad = HandoffFailed("kv push", _prefill_error(Reason.KV_TRANSFER_INVALID))
+    assert not bad.at_decode
+    assert isinstance(classify(_Worker(), bad.error, "kv push"), WorkerFailed)
+    # A refusal without a reason of the decode worker's stays the request's own error.
+    other = classify(_Worker(), _prefill_error(""), "kv push")
     assert isinstance(other, RouterError)
 
 
