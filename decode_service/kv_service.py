@@ -36,13 +36,24 @@ class KVTransferServicer:
         self.failures = 0
 
     async def Push(self, request_iterator, context):  # noqa: N802
+        """Why this is long: staging overlapped with receiving, and every failure's status
+        (each names what broke and frees the reservation) share one flow."""
         rid = None
         imp: KVImport | None = None
         trailer = None
         t0 = time.perf_counter()
         staging = None  # the previous chunk's validation and copy, run off the loop
         writes: list = []  # Futures of blocks written into the reservation ahead of commit
-        refuse = functools.partial(self._refuse, request_iterator, context)
+
+        async def pulls_started() -> str:
+            """How many of the push's pull chunks, in order, a pull was started for (the
+            staging now running done first): a megaserve sender takes back its other offers
+            (`megaserve/jax_transfer.py`)."""
+            if staging is not None:
+                await asyncio.wait([staging])  # (its failure is reported where it is awaited)
+            return str(len(imp.pull_attempts) if imp is not None else 0)
+
+        refuse = functools.partial(self._refuse, request_iterator, context, pulls_started)
         try:
             async for frame in request_iterator:
                 msg = frame.msg
@@ -91,6 +102,7 @@ class KVTransferServicer:
                     Reason.KV_TRANSFER_INCOMPLETE,
                     f"stream ended with {imp.missing} (layer, page) cells missing"
                     f"{'' if trailer else ' and no trailer'}; reservation {rid!r} freed",
+                    kv_pulls_started=await pulls_started(),
                 )
             for w in writes:  # in order; each True unless the reservation went meanwhile
                 await asyncio.wrap_future(w)
@@ -143,21 +155,24 @@ class KVTransferServicer:
             await asyncio.to_thread(self.engine.drop_reservation, rid)
         await refuse(code, reason, f"{message}; reservation freed")
 
-    async def _refuse(self, request_iterator, context, code, reason, message: str) -> None:
+    async def _refuse(
+        self, request_iterator, context, pulls_started, code, reason, message: str
+    ) -> None:
         """Ends a push with an error status once its sender has stopped writing. grpcio
         replaces a status that reaches the client while one of its writes is in flight
         with that write's INTERNAL "Internal error from Core" (without this, 14-17 of 30
         refused pushes of a sender writing on, as in tests/test_disaggregated.py, lost
         their NOT_FOUND and reason). So the refusal goes ahead as initial metadata
         (frames.REFUSED_KEY: a megaserve sender stops and half-closes), what is still on
-        its way is read and dropped (unchecked), and then the status goes out."""
+        its way is read and dropped (unchecked), and then the status goes out, saying how
+        many pull chunks were pulled (or started to be)."""
         with contextlib.suppress(Exception):  # (metadata already sent: the status still follows)
             await context.send_initial_metadata(((frames.REFUSED_KEY, code.name),))
         with contextlib.suppress(Exception):  # a broken stream: its status is ours to send
             async with asyncio.timeout(REFUSE_DRAIN_S):
                 async for _ in request_iterator:
                     pass
-        await abort(context, code, reason, message)
+        await abort(context, code, reason, message, kv_pulls_started=await pulls_started())
 
     def _stage(self, imp: KVImport, res, chunk, data, writes: list) -> None:
         """Stages one chunk (a worker thread) and queues the blocks it completed for the

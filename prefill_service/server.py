@@ -19,9 +19,10 @@ from megaserve.kv.pages import pages_for_tokens
 from megaserve.rpc import prefill_pb2, prefill_pb2_grpc
 from megaserve.sampling_params import SamplingParams
 from megaserve.security import TLSConfig, add_port, aio_channel
-from megaserve.status import Reason, abort, abort_for, reason_of
+from megaserve.status import Reason, abort, abort_for, error_metadata, reason_of
 from prefill_service.engine import DeadlineExpired, PrefillEngine
 from prefill_service.metrics import PrefillMetrics
+from prefill_service.offers import PushOffers
 
 SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
 log = structlog.get_logger("megaserve.prefill")
@@ -98,12 +99,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if self.inflight >= limit:
             await abort_for(context, NoCapacity(f"prefill worker full ({limit} in flight); retry"))
         self.inflight += 1
+        offers = PushOffers(request.request_id)  # (jax transfer only)
+        done = False
         try:
-            return await self._prefill(request, context, on_first)
+            out = await self._prefill(request, context, offers, on_first)
+            done = True
+            return out
         finally:
             self.inflight -= 1
+            offers.end(committed=done)
 
-    async def _prefill(self, request, context, on_first=None):
+    async def _prefill(self, request, context, offers: PushOffers, on_first=None):
         """Validates, prefills and pushes the pages as chunks complete; `on_first(token,
         compute_s)` is awaited once the first token is sampled, while the KV's tail is still
         being pushed. Why this is long: the encode/send overlap and every failure's status
@@ -128,6 +134,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             stamps.setdefault("first_chunk", time.perf_counter())
             if use_jax:
                 item = wire.pull_message(first, k, v)
+                offers.made_one(item)
             else:
                 k.copy_to_host_async()  # device -> host now; the writer encodes later
                 v.copy_to_host_async()
@@ -153,6 +160,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     if refused.is_set():  # what is queued is dropped on the way to _DONE
                         continue
                     if not isinstance(item, tuple):  # a pull chunk, or the trailer
+                        offers.writing(item)
                         await call.write(item)
                         continue
                     # Each chunk is encoded (one copy of its pages into the message) on the
@@ -205,6 +213,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 raise writing.exception() from None  # the writer broke the call
             raise
         except grpc.aio.AioRpcError as e:
+            started = error_metadata(e).get("kv_pulls_started")
+            offers.pulls_started = int(started) if started and started.isdigit() else None
             self.transfer_failures += 1
             self.metrics.failures.inc()
             writing.cancel()

@@ -73,6 +73,8 @@ class KVImport:
         self.blocks: dict[int, tuple[Any, Any]] = {}  # offset -> K, V, until taken
         self._ready: list[int] = []  # offsets complete and not yet taken
         self.pulled: bool | None = None  # whether this push's chunks are pulls
+        # Every uuid a pull was started for, in order (the sender may take back the rest).
+        self.pull_attempts: list[int] = []
         self.got = np.zeros((geo.num_layers, self.n), bool)
         self.chunks = 0
         self.bytes = 0
@@ -215,6 +217,7 @@ class KVImport:
         if n_arrays not in (1, 2):
             raise TransferError(f"pull.arrays={c.pull.arrays}: K and V come as 1 or 2 arrays")
         shapes = [tuple(want)] if n_arrays == 1 else [tuple(want[1:])] * 2
+        self.pull_attempts.append(c.pull.uuid)  # before: a pull that breaks may have taken it
         try:  # waits for the arrays: a failed transfer fails here, not in the commit
             out = jax.block_until_ready(
                 jax_transfer.pull(c.pull.address, c.pull.uuid, shapes, self.geo.dtype)

@@ -135,6 +135,7 @@ async def _raw_push(d_addr, rid, prompt, k, v, pulls=None) -> float:
     """Seconds for one Push of pre-made pages into a fresh reservation (transport only):
     gRPC chunks each encoded just before it is written (as the prefill worker sends), or,
     with `pulls`, jax transfer pulls of device arrays."""
+    from megaserve import jax_transfer
     from megaserve.kv import frames, wire
 
     async with grpc.aio.insecure_channel(d_addr, options=grpc_ceiling.CHANNEL_OPTIONS) as ch:
@@ -153,6 +154,8 @@ async def _raw_push(d_addr, rid, prompt, k, v, pulls=None) -> float:
         await call.done_writing()
         await call
         dt = time.perf_counter() - t
+        if pulls is not None:  # all pulled: the offers' records go
+            jax_transfer.settle(m.chunk.pull.uuid for m in body)
         await dec.Release(decode_pb2.ReleaseRequest(request_id=rid))
         return dt
 
