@@ -138,6 +138,7 @@ class PrefillEngine:
         self.expired = 0  # prompts dropped at their deadline (queued or between chunks)
         self.clock = time.monotonic  # deadlines are on this clock; tests inject a fake one
         self.turns = cpu_turns(cfg.cpu_turns)  # shared with the other workers on these cores
+        self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="prefill-engine", daemon=True)
         self._thread.start()
 
@@ -185,9 +186,18 @@ class PrefillEngine:
         """submit(), then blocks until the result."""
         return self.submit(prompt, sampling, skip_pages, on_pages, resumed).result()
 
+    def stop(self, timeout: float = 60.0) -> bool:
+        """Ends the engine thread after the call it is in; the prompts it still holds fail
+        with NoCapacity. A process must not exit while a program runs on that thread (a
+        test process that did crashed, rc 134/139). True if it ended within timeout."""
+        self._stopping = True
+        self._queue.put(None)  # wakes the thread if it waits for work
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     # -- engine thread -----------------------------------------------------------------
     def _loop(self) -> None:
-        while True:
+        while not self._stopping:
             if not self._active:
                 self._admit(self._queue.get())
             while len(self._active) < self.cfg.max_batch:
@@ -203,6 +213,13 @@ class PrefillEngine:
                     for job in self._active:
                         self._fail(job, e)
                     self._active = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._active.append(self._queue.get_nowait())
+        for job in self._active:
+            if job is not None:
+                self._fail(job, NoCapacity("the prefill worker is stopping; retry"))
+        self._active = []
 
     def _gone(self, job: _Job) -> bool:
         """The caller left (cancelled) or the deadline passed: fails job, True if so."""
@@ -215,8 +232,8 @@ class PrefillEngine:
             return True
         return False
 
-    def _admit(self, job: _Job) -> None:
-        if self._gone(job):
+    def _admit(self, job: _Job | None) -> None:
+        if job is None or self._gone(job):  # None: stop() woke the thread
             return
         try:
             job.pages, hit = claim_pages(self.alloc, job.prompt)

@@ -70,6 +70,7 @@ async def serve(cfg: WorkerConfig) -> None:
 
     async def stop() -> None:
         await server.stop(cfg.shutdown_grace_s)
+        await asyncio.to_thread(engine.stop)  # not to exit inside a prefill call
         if hb:
             hb.stop(deregister=True)
         log.info("stopped", worker_id=cfg.worker_id)
