@@ -58,8 +58,8 @@ def withdraw(uuids: Iterable[int], wait: bool = True) -> None:
     """Takes back offers no peer has pulled or will pull, by pulling them here: jax's
     await_pull has no withdrawal, and the server holds offered arrays until one pull. Only
     for uuids known unpulled: a second pull of a pulled uuid never returns (seen with jax
-    0.10), so a uuid a peer may have started to pull must be settled instead. The records
-    go at once; wait=False pulls in a thread of its own."""
+    0.12.0.1), so a uuid a peer may have started to pull must be settled instead. The
+    records go at once; wait=False pulls in a thread of its own."""
     with _lock:
         specs = {u: _offered.pop(u) for u in uuids if u in _offered}
     if not specs:
