@@ -213,13 +213,12 @@ class PrefillEngine:
                     for job in self._active:
                         self._fail(job, e)
                     self._active = []
+        held, self._active = self._active, []
         with contextlib.suppress(queue.Empty):
             while True:
-                self._active.append(self._queue.get_nowait())
-        for job in self._active:
-            if job is not None:
-                self._fail(job, NoCapacity("the prefill worker is stopping; retry"))
-        self._active = []
+                held.append(self._queue.get_nowait())
+        for job in filter(None, held):  # (None: stop()'s wake-up)
+            self._fail(job, NoCapacity("the prefill worker is stopping; retry"))
 
     def _gone(self, job: _Job) -> bool:
         """The caller left (cancelled) or the deadline passed: fails job, True if so."""

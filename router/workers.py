@@ -33,6 +33,13 @@ class WorkerFailed(Exception):
         self.worker = worker
 
 
+def _kv_invalid(e: grpc.aio.AioRpcError) -> bool:
+    """The decode worker refused the KV the prefill worker sent (a checksum mismatch, pages
+    that do not fit its pool): a fault between the two workers, whatever the code (the
+    request passed validation before any KV moved), and the sender's to answer for."""
+    return error_metadata(e).get("decode_reason") == Reason.KV_TRANSFER_INVALID
+
+
 def classify(worker, e: grpc.aio.AioRpcError, what: str) -> Exception:
     """A worker's error as WorkerFailed (try elsewhere), NoCapacity (full: try elsewhere,
     no breaker) or RouterError (the request's own fault)."""
@@ -41,15 +48,11 @@ def classify(worker, e: grpc.aio.AioRpcError, what: str) -> Exception:
         return RouterError(code, f"deadline exceeded during {what}")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED or reason_of(e) == Reason.NO_CAPACITY:
         return NoCapacity(f"{worker.id}: {what}: {e.details()}", source=worker)
-    decode_reason = error_metadata(e).get("decode_reason")
-    if decode_reason == Reason.RESERVATION_NOT_FOUND:
+    if error_metadata(e).get("decode_reason") == Reason.RESERVATION_NOT_FOUND:
         # The decode worker let the reservation go before the KV came (stalled past the
         # lease, or restarted): its failure, not the request's; try again.
         return WorkerFailed(worker, f"{what}: reservation lost before the KV: {e.details()}")
-    if decode_reason == Reason.KV_TRANSFER_INVALID:
-        # The decode worker refused the KV the prefill worker sent (a checksum mismatch,
-        # pages that do not fit its pool): a fault between the two workers, whatever the
-        # code; the request passed validation before any KV moved.
+    if _kv_invalid(e):
         return WorkerFailed(worker, f"{what}: the decode worker refused the KV: {e.details()}")
     if code in WORKER_FAILED_CODES:
         return WorkerFailed(worker, f"{what}: {code.name} {e.details()}")
@@ -104,7 +107,7 @@ class HandoffFailed(Exception):
 
     @property
     def at_decode(self) -> bool:
-        if error_metadata(self.error).get("decode_reason") == Reason.KV_TRANSFER_INVALID:
+        if _kv_invalid(self.error):
             return False  # the sender's pages: the decode worker stays usable co-located
         return self.stage in ("reserve", "kv push")
 

@@ -111,6 +111,14 @@ def _spy(monkeypatch) -> tuple[list, list]:
     return withdrawn, back
 
 
+def _wait_pulled_back(withdrawn: list, back: list) -> None:
+    """Each withdrawn offer's pull-back returns (one of an offer already pulled would not)."""
+    end = time.monotonic() + 60
+    while set(back) != set(withdrawn):
+        assert time.monotonic() < end, (withdrawn, back, threading.enumerate())
+        time.sleep(0.05)
+
+
 def test_a_push_refused_midway_takes_back_the_chunks_not_pulled(workers, monkeypatch):
     dec, d_addr, p_addr = workers
     pulls = []
@@ -144,10 +152,7 @@ def test_a_push_refused_midway_takes_back_the_chunks_not_pulled(workers, monkeyp
     # taken back, the second (refused before its pull) and the rest are.
     assert jax_transfer.outstanding() <= before
     assert pulls[0] not in withdrawn and pulls[1] in withdrawn, (pulls, withdrawn)
-    end = time.monotonic() + 60
-    while set(back) != set(withdrawn):  # each pull-back returns (a pulled one would not)
-        assert time.monotonic() < end, (withdrawn, back, threading.enumerate())
-        time.sleep(0.05)
+    _wait_pulled_back(withdrawn, back)
     wait_idle(dec)
     dec.alloc.check_invariants()
     assert dec.alloc.all_free_or_cached()
@@ -175,7 +180,4 @@ def test_a_refusal_at_the_header_leaves_no_offer_behind(workers, monkeypatch):
     err = asyncio.run(main())
     assert error_metadata(err).get("decode_reason") == "RESERVATION_NOT_FOUND", err
     assert jax_transfer.outstanding() <= before
-    end = time.monotonic() + 60
-    while set(back) != set(withdrawn):
-        assert time.monotonic() < end, (withdrawn, back)
-        time.sleep(0.05)
+    _wait_pulled_back(withdrawn, back)
