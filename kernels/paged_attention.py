@@ -89,13 +89,22 @@ def paged_attention(
       f32[B, T, Hq, D].
     """
     b, t, hq, d = q.shape
+    hkv = num_kv_heads or k_cache.shape[-1] // d
     if t == 1:
         # A decode step's scores are [B, Hq, 1, S], small at any context; and a loop over
-        # the blocks made XLA:CPU copy the whole pool into the loop's carry.
-        return paged_attention_reference(
-            q, k_cache, v_cache, layer, positions, page_table, scale, num_kv_heads
+        # the blocks made XLA:CPU copy the whole pool into the loop's carry. Its gather of
+        # the whole table is not small: on CPU the kernel reads the keys in place instead
+        # (SmolLM2 at context 1200: 50.9 ms a step at batch 1 with the gather; docs/prefill.md).
+        ref = functools.partial(
+            paged_attention_reference, layer=layer, scale=scale, num_kv_heads=num_kv_heads
         )
-    hkv = num_kv_heads or k_cache.shape[-1] // d
+        if not cpu_attention.supports(q, k_cache):
+            return ref(q, k_cache, v_cache, positions=positions, page_table=page_table)
+        return jax.lax.platform_dependent(
+            q, k_cache, v_cache, positions, page_table,
+            default=lambda q, k, v, p, t: ref(q, k, v, positions=p, page_table=t),
+            cpu=functools.partial(_cpu_kernel, layer=layer, scale=scale, hkv=hkv),
+        )  # fmt: skip
     # Chosen when the program is lowered: the Pallas kernel for TPU, the C++ kernel on CPU
     # where it builds (`cpu_attention`), the XLA blockwise path elsewhere.
     kernels = {"default": functools.partial(_blockwise, layer=layer, scale=scale, hkv=hkv)}

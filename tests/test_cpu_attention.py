@@ -1,6 +1,7 @@
-"""The C++ CPU prefill attention kernel against the whole-table reference: ragged rows (no
-cached tokens beside thousands), GQA groups, head_dim 64 and 128, lane-padded pool rows,
-inputs it must not read outside the pool for, and the build's failure modes."""
+"""The C++ CPU paged attention kernel against the whole-table reference: ragged rows (no
+cached tokens beside thousands), decode-shaped calls (one query per sequence), GQA groups,
+head_dim 64 and 128, lane-padded pool rows, inputs it must not read outside the pool for,
+and the build's failure modes."""
 
 from __future__ import annotations
 
@@ -41,6 +42,29 @@ def test_kernel_equals_the_reference_on_ragged_rows(hkv, group, d):
     pos[1] = np.arange(2003, 2003 + t)
     pos[2, :37] = np.arange(500, 537)
     q = jnp.asarray(rng.standard_normal((4, t, hkv * group, d)), jnp.float32)
+    args = (q, k, v, 1, jnp.asarray(pos), jnp.asarray(table), d**-0.5, hkv)
+    got = np.asarray(attend(*args))
+    want = np.asarray(paged_attention_reference(*args))
+    live = pos >= 0
+    np.testing.assert_allclose(got[live], want[live], rtol=2e-5, atol=2e-5)
+    assert not got[~live].any()
+
+
+@pytest.mark.parametrize(
+    "t,hkv,group,d",
+    [(1, 3, 3, 64), (1, 8, 4, 128), (1, 1, 20, 64), (1, 2, 16, 64), (5, 3, 3, 64), (3, 1, 7, 8)],
+)
+def test_decode_shaped_calls_equal_the_reference(t, hkv, group, d):
+    """A decode step (T = 1) and a few-token call: items of one 16-row vector or a few
+    (G x T rows, G from 3 to 20), rows at context 0, 1, mid-page and 3000 beside a padding
+    row."""
+    rng = np.random.default_rng(t * 100 + group)
+    ps, width = 16, 190
+    k, v = pool(rng, 2, 1000, ps, hkv, d, hkv * d)
+    table = rng.permutation(np.arange(1, 1000))[: 5 * width].reshape(5, width).astype(np.int32)
+    start = np.asarray([0, 1, 37, 3000, -1])
+    pos = np.where(start[:, None] >= 0, start[:, None] + np.arange(t), -1).astype(np.int32)
+    q = jnp.asarray(rng.standard_normal((5, t, hkv * group, d)), jnp.float32)
     args = (q, k, v, 1, jnp.asarray(pos), jnp.asarray(table), d**-0.5, hkv)
     got = np.asarray(attend(*args))
     want = np.asarray(paged_attention_reference(*args))

@@ -1,5 +1,6 @@
-// CPU paged prefill attention: causal flash attention of a chunk's queries over each
-// sequence's K/V read straight from the paged pool, as an XLA FFI custom call.
+// CPU paged prefill attention: causal flash attention of a chunk's queries (a prefill
+// chunk's, or a decode step's one per sequence) over each sequence's K/V read straight from
+// the paged pool, as an XLA FFI custom call.
 //
 // Why this exists (docs/prefill.md, "The CPU attention kernel, and why we wrote one"):
 // XLA:CPU runs a blockwise attention as separate thunks per block (two dots, a max, an
@@ -33,7 +34,9 @@ namespace {
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 
-constexpr int QT = 64;  // query positions per work item; x G heads: R rows, 64 | R
+// Query positions per work item (fewer when the call has fewer: a decode step's one); x G
+// heads, rounded up to whole vectors: R rows.
+constexpr int QT = 64;
 constexpr int KB = 64;  // keys per block
 constexpr float kMasked = -std::numeric_limits<float>::infinity();
 
@@ -48,8 +51,6 @@ inline v16 load(const float* p) {
 }
 
 inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
-
-constexpr int RG = 64;  // rows per micro-tile: 4 vectors
 
 inline v16i loadi(const int32_t* p) {
   v16i v;
@@ -83,6 +84,7 @@ inline v16 vexp(v16 x) {
 
 struct Shapes {
   int64_t b, t, hq, d, pages, page_size, row, width, hkv, group;
+  int64_t qt, rows;  // query positions per item, and its rows (qt * group, whole vectors)
 };
 
 struct Args {
@@ -100,7 +102,7 @@ struct Args {
 // Q^T [D, R], O^T [D, R], S^T / P^T [KB, R]; per row m, l, rescale and position. K and V
 // are read in place from the pool: one row pointer per key of the block.
 struct Scratch {
-  explicit Scratch(const Shapes& s) : rows(QT * s.group) {
+  explicit Scratch(const Shapes& s) : rows(s.rows) {
     const int64_t floats = rows * s.d * 2 + KB * rows + rows * 4 + s.d;
     mem.reset(static_cast<float*>(std::aligned_alloc(64, ((floats * 4 + 63) / 64) * 64)));
     float* p = mem.get();
@@ -125,31 +127,34 @@ struct Scratch {
   const float* vp[KB];
 };
 
-// acc[i][c] += s[i] * x[16c .. 16c + 16): the rank-1 update of a 4 x 64 register tile
-// (16 accumulators) both products are made of: 4 vector loads of x, 4 broadcasts of s.
-inline void rank1(v16 (&acc)[4][4], const float* x, const float* s) {
-  const v16 x0 = load(x), x1 = load(x + 16), x2 = load(x + 32), x3 = load(x + 48);
+// acc[i][c] += s[i] * x[16c .. 16c + 16): the rank-1 update of a 4 x 16NV register tile
+// (4 NV accumulators) both products are made of: NV vector loads of x, 4 broadcasts of s.
+// NV = 4 (64 rows) for prefill items; NV = 1 where an item has one vector of rows (a decode
+// step: G rows), so padding rows cost no FMAs.
+template <int NV>
+inline void rank1(v16 (&acc)[4][NV], const float* x, const float* s) {
+  v16 xs[NV];
+  for (int c = 0; c < NV; ++c) xs[c] = load(x + 16 * c);
   for (int i = 0; i < 4; ++i) {
     const v16 b = splat(s[i]);
-    acc[i][0] += b * x0, acc[i][1] += b * x1;
-    acc[i][2] += b * x2, acc[i][3] += b * x3;
+    for (int c = 0; c < NV; ++c) acc[i][c] += b * xs[c];
   }
 }
 
-// S^T[j, r] = K[j, :] . Q^T[:, r]: 4 keys x 64 rows per micro-tile (16 accumulators), the
-// rows' Q^T slice (D x 64) staying in L1 across the key groups.
-template <int D>
+// S^T[j, r] = K[j, :] . Q^T[:, r]: 4 keys x 16NV rows per micro-tile, the rows' Q^T slice
+// (D x 16NV) staying in L1 across the key groups.
+template <int D, int NV>
 inline void scores(Scratch& w) {
   const int64_t R = w.rows;
-  for (int64_t r = 0; r < R; r += RG)
+  for (int64_t r = 0; r < R; r += 16 * NV)
     for (int j = 0; j < KB; j += 4) {
-      v16 acc[4][4] = {};
+      v16 acc[4][NV] = {};
       for (int d = 0; d < D; ++d) {
         const float k4[4] = {w.kp[j][d], w.kp[j + 1][d], w.kp[j + 2][d], w.kp[j + 3][d]};
-        rank1(acc, w.qt + d * R + r, k4);
+        rank1<NV>(acc, w.qt + d * R + r, k4);
       }
       for (int i = 0; i < 4; ++i)
-        for (int c = 0; c < 4; ++c) store(w.st + (j + i) * R + r + 16 * c, acc[i][c]);
+        for (int c = 0; c < NV; ++c) store(w.st + (j + i) * R + r + 16 * c, acc[i][c]);
     }
 }
 
@@ -192,30 +197,30 @@ inline void softmax(Scratch& w, int64_t s0, bool diagonal) {
   }
 }
 
-// O^T[d, r] = O^T[d, r] * rescale[r] + V[:, d] . P^T[:, r]: 4 dims x 64 rows per
-// micro-tile, the rows' P^T slice (KB x 64) staying in L1 across the dim groups.
-template <int D>
+// O^T[d, r] = O^T[d, r] * rescale[r] + V[:, d] . P^T[:, r]: 4 dims x 16NV rows per
+// micro-tile, the rows' P^T slice (KB x 16NV) staying in L1 across the dim groups.
+template <int D, int NV>
 inline void values(Scratch& w) {
   const int64_t R = w.rows;
-  for (int64_t r = 0; r < R; r += RG)
+  for (int64_t r = 0; r < R; r += 16 * NV)
     for (int d = 0; d < D; d += 4) {
-      v16 acc[4][4] = {};
+      v16 acc[4][NV] = {};
       for (int j = 0; j < KB; ++j) {
-        rank1(acc, w.st + j * R + r, w.vp[j] + d);
+        rank1<NV>(acc, w.st + j * R + r, w.vp[j] + d);
       }
       for (int i = 0; i < 4; ++i)
-        for (int c = 0; c < 4; ++c) {
+        for (int c = 0; c < NV; ++c) {
           float* o = w.ot + (d + i) * R + r + 16 * c;
           store(o, load(o) * load(w.resc + r + 16 * c) + acc[i][c]);
         }
     }
 }
 
-// One work item: sequence b, KV head h, query positions [t0, t0 + QT).
-template <int D>
+// One work item: sequence b, KV head h, query positions [t0, t0 + s.qt).
+template <int D, int NV>
 void run_item(const Args& a, Scratch& w, int64_t b, int64_t h, int64_t t0) {
   const Shapes& s = a.s;
-  const int64_t g = s.group, nq = std::min<int64_t>(QT, s.t - t0), R = w.rows;
+  const int64_t g = s.group, nq = std::min<int64_t>(s.qt, s.t - t0), R = w.rows;
   const int32_t* pos = a.pos + b * s.t + t0;
   int32_t pmin = std::numeric_limits<int32_t>::max(), pmax = -1;
   for (int64_t i = 0; i < nq; ++i)
@@ -228,13 +233,13 @@ void run_item(const Args& a, Scratch& w, int64_t b, int64_t h, int64_t t0) {
       for (int64_t gi = 0; gi < g; ++gi) std::memset(out_row(tq, gi), 0, D * sizeof(float));
     return;
   }
-  for (int64_t tq = 0; tq < QT; ++tq)
-    for (int64_t gi = 0; gi < g; ++gi) {
-      const int64_t r = tq * g + gi;
-      w.pos[r] = tq < nq ? pos[tq] : -1;
-      const float* src = a.q + ((b * s.t + t0 + tq) * s.hq + h * g + gi) * D;
-      for (int d = 0; d < D; ++d) w.qt[d * R + r] = tq < nq ? src[d] * a.scale : 0.f;
-    }
+  for (int64_t r = 0; r < R; ++r) {  // rows past the item's queries: masked, never written
+    const int64_t tq = r / g, gi = r % g;
+    const bool live = tq < nq;
+    w.pos[r] = live ? pos[tq] : -1;
+    const float* src = a.q + ((b * s.t + t0 + tq) * s.hq + h * g + gi) * D;
+    for (int d = 0; d < D; ++d) w.qt[d * R + r] = live ? src[d] * a.scale : 0.f;
+  }
   std::fill(w.m, w.m + R, kMasked);
   std::fill(w.l, w.l + R, 0.f);
   std::memset(w.ot, 0, R * D * sizeof(float));
@@ -254,9 +259,9 @@ void run_item(const Args& a, Scratch& w, int64_t b, int64_t h, int64_t t0) {
         w.kp[j] = w.vp[j] = w.zero;  // masked below: past pmax, so past every position
       }
     }
-    scores<D>(w);
+    scores<D, NV>(w);
     softmax(w, s0, s0 + KB - 1 > pmin);
-    values<D>(w);
+    values<D, NV>(w);
   }
   for (int64_t tq = 0; tq < nq; ++tq)
     for (int64_t gi = 0; gi < g; ++gi) {
@@ -279,7 +284,7 @@ struct Shared {
   int64_t active = 0;  // threads between registering and finishing their last item
 };
 
-template <int D>
+template <int D, int NV>
 void work(Shared& sh) {
   const Shapes& s = sh.a.s;
   const int64_t items = s.b * s.hkv * sh.tiles;
@@ -291,7 +296,7 @@ void work(Shared& sh) {
   for (int64_t i; (i = sh.next.fetch_add(1)) < items;) {
     if (!w) w = std::make_unique<Scratch>(s);
     const int64_t b = i / (s.hkv * sh.tiles), h = (i / sh.tiles) % s.hkv;
-    run_item<D>(sh.a, *w, b, h, (i % sh.tiles) * QT);
+    run_item<D, NV>(sh.a, *w, b, h, (i % sh.tiles) * s.qt);
   }
   std::lock_guard<std::mutex> lock(sh.mu);
   if (--sh.active == 0) sh.cv.notify_all();
@@ -300,16 +305,31 @@ void work(Shared& sh) {
 // The caller works too and then waits only for helpers that registered: never for one that
 // has not started (two calls waiting on each other's queued helpers would deadlock a
 // pool whose threads they both occupy).
-template <int D>
+template <int D, int NV>
 void run_all(ffi::ThreadPool& pool, const Args& a) {
   const Shapes& s = a.s;
-  const int64_t tiles = (s.t + QT - 1) / QT, items = s.b * s.hkv * tiles;
+  const int64_t tiles = (s.t + s.qt - 1) / s.qt, items = s.b * s.hkv * tiles;
   auto sh = std::make_shared<Shared>(a, tiles);
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), items) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { work<D>(*sh); });
-  work<D>(*sh);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { work<D, NV>(*sh); });
+  work<D, NV>(*sh);
   std::unique_lock<std::mutex> lock(sh->mu);
   sh->cv.wait(lock, [&] { return sh->active == 0; });
+}
+
+template <int NV>
+ffi::Error dispatch(ffi::ThreadPool& pool, const Args& a) {
+  switch (a.s.d) {
+    case 64: run_all<64, NV>(pool, a); break;
+    case 128: run_all<128, NV>(pool, a); break;
+    case 256: run_all<256, NV>(pool, a); break;
+    case 32: run_all<32, NV>(pool, a); break;
+    case 16: run_all<16, NV>(pool, a); break;
+    case 8: run_all<8, NV>(pool, a); break;
+    default:
+      return ffi::Error::InvalidArgument("paged prefill attention: head_dim not 8/16/32/64/128/256");
+  }
+  return ffi::Error::Success();
 }
 
 ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
@@ -321,26 +341,19 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
   if (qd.size() != 4 || kd.size() != 4 || td.size() != 2 || vd.size() != 4 ||
       !std::equal(kd.begin(), kd.end(), vd.begin()))
     return ffi::Error::InvalidArgument("paged prefill attention: bad ranks or K/V shapes");
-  Shapes s{qd[0], qd[1], qd[2], qd[3], kd[1], kd[2], kd[3], td[1], num_kv_heads, 0};
+  Shapes s{qd[0], qd[1], qd[2], qd[3], kd[1], kd[2], kd[3], td[1], num_kv_heads, 0, 0, 0};
   if (s.hkv <= 0 || s.hq % s.hkv || s.hkv * s.d > s.row || td[0] != s.b)
     return ffi::Error::InvalidArgument("paged prefill attention: head counts do not fit the pool");
   s.group = s.hq / s.hkv;
+  s.qt = std::max<int64_t>(std::min<int64_t>(QT, s.t), 1);
+  s.rows = (s.qt * s.group + 15) / 16 * 16;
   const int64_t li = layer.typed_data()[0];
   if (li < 0 || li >= kd[0]) return ffi::Error::InvalidArgument("paged prefill attention: layer");
   const int64_t stride = s.pages * s.page_size * s.row;
   Args a{s, q.typed_data(), k.typed_data() + li * stride, v.typed_data() + li * stride,
          positions.typed_data(), page_table.typed_data(), out->typed_data(), scale};
-  switch (s.d) {
-    case 64: run_all<64>(pool, a); break;
-    case 128: run_all<128>(pool, a); break;
-    case 256: run_all<256>(pool, a); break;
-    case 32: run_all<32>(pool, a); break;
-    case 16: run_all<16>(pool, a); break;
-    case 8: run_all<8>(pool, a); break;
-    default:
-      return ffi::Error::InvalidArgument("paged prefill attention: head_dim not 8/16/32/64/128/256");
-  }
-  return ffi::Error::Success();
+  // Items of whole 64-row micro-tiles (prefill: 64 x G rows) or of 16-row ones.
+  return s.rows % 64 ? dispatch<1>(pool, a) : dispatch<4>(pool, a);
 }
 
 }  // namespace
