@@ -73,15 +73,16 @@ def test_decode_shaped_calls_equal_the_reference(t, hkv, group, d):
     assert not got[~live].any()
 
 
-def test_positions_past_the_table_stay_inside_the_pool():
+@pytest.mark.parametrize("t", [1, 2])
+def test_positions_past_the_table_stay_inside_the_pool(t):
     """A position past the page table (a caller's bug) reads no memory outside the pool:
     keys are clipped to the table and page ids to the pool, as XLA's mode="clip" gather;
-    the output is finite."""
+    the output is finite. T = 1 is the decode items' own loop."""
     rng = np.random.default_rng(0)
     k, v = pool(rng, 1, 4, 8, 1, 16, 16)
     table = jnp.asarray([[1, 2, 999]], jnp.int32)  # 999: not a page of this pool
-    pos = jnp.asarray([[5000, 5001]], jnp.int32)
-    q = jnp.asarray(rng.standard_normal((1, 2, 2, 16)), jnp.float32)
+    pos = jnp.asarray([[5000, 5001][:t]], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((1, t, 2, 16)), jnp.float32)
     out = np.asarray(attend(q, k, v, 0, pos, table, 0.25, 1))
     assert np.isfinite(out).all()
 

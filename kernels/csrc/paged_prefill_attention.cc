@@ -272,6 +272,94 @@ void run_item(const Args& a, Scratch& w, int64_t b, int64_t h, int64_t t0) {
     }
 }
 
+// The sum of x's 16 lanes, as a tree (a plain loop would be 16 dependent scalar adds).
+inline float hsum(v16 x) {
+  typedef float v8 __attribute__((vector_size(32)));
+  typedef float v4 __attribute__((vector_size(16)));
+  const v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+// A decode item (sequence b, KV head h, one query position): lanes run along head_dim, not
+// rows, so no lane is padding: per key, G dot products of D/16 vectors (summed across
+// lanes) and G broadcasts into the output rows. `run_item` would hold G live lanes of 16 in
+// every FMA (3 for SmolLM2) and broadcast once per FMA. Scratch: Q [G, D], O [G, D], P [G, KB].
+template <int D>
+void run_decode_item(const Args& a, Scratch& w, int64_t b, int64_t h) {
+  constexpr int V = D / 16;
+  const Shapes& s = a.s;
+  const int64_t g = s.group, p = a.pos[b];
+  float* const out = a.out + (b * s.hq + h * g) * D;
+  if (p < 0) {  // padding: zeros, as the XLA path
+    std::memset(out, 0, g * D * sizeof(float));
+    return;
+  }
+  const float* src = a.q + (b * s.hq + h * g) * D;
+  for (int64_t i = 0; i < g * D; ++i) w.qt[i] = src[i] * a.scale;
+  std::memset(w.ot, 0, g * D * sizeof(float));
+  std::fill(w.m, w.m + g, kMasked);
+  std::fill(w.l, w.l + g, 0.f);
+  const int32_t* table = a.table + b * s.width;
+  // Keys 0..p, clipped to the table (and page ids to the pool), as `run_item`.
+  const int64_t keys = std::min<int64_t>(p + 1, s.width * s.page_size);
+  for (int64_t s0 = 0; s0 < keys; s0 += KB) {
+    const int64_t n = std::min<int64_t>(KB, keys - s0);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t key = s0 + j;
+      const int64_t page = std::clamp<int64_t>(table[key / s.page_size], 0, s.pages - 1);
+      const int64_t off = (page * s.page_size + key % s.page_size) * s.row + h * D;
+      w.kp[j] = a.k + off, w.vp[j] = a.v + off;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      v16 k[V];
+      for (int c = 0; c < V; ++c) k[c] = load(w.kp[j] + 16 * c);
+      for (int64_t gi = 0; gi < g; ++gi) {
+        const float* q = w.qt + gi * D;
+        v16 acc = load(q) * k[0];
+        for (int c = 1; c < V; ++c) acc += load(q + 16 * c) * k[c];
+        w.st[gi * KB + j] = hsum(acc);
+      }
+    }
+    for (int64_t gi = 0; gi < g; ++gi) {  // the online softmax of row gi over this block
+      float* sc = w.st + gi * KB;
+      std::fill(sc + n, sc + KB, kMasked);
+      v16 mx = splat(kMasked);
+      for (int j = 0; j < KB; j += 16) {
+        const v16 x = load(sc + j);
+        mx = x > mx ? x : mx;
+      }
+      float m_new = w.m[gi];
+      for (int i = 0; i < 16; ++i) m_new = std::max(m_new, mx[i]);
+      v16 sum = {};
+      for (int j = 0; j < KB; j += 16) {
+        const v16 e = vexp(load(sc + j) - m_new);
+        store(sc + j, e);
+        sum += e;
+      }
+      const float rescale = vexp(splat(w.m[gi] - m_new))[0];
+      w.l[gi] = w.l[gi] * rescale + hsum(sum);
+      w.m[gi] = m_new;
+      float* o = w.ot + gi * D;
+      for (int c = 0; c < V; ++c) store(o + 16 * c, load(o + 16 * c) * rescale);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      v16 v[V];
+      for (int c = 0; c < V; ++c) v[c] = load(w.vp[j] + 16 * c);
+      for (int64_t gi = 0; gi < g; ++gi) {
+        const v16 pj = splat(w.st[gi * KB + j]);
+        float* o = w.ot + gi * D;
+        for (int c = 0; c < V; ++c) store(o + 16 * c, load(o + 16 * c) + pj * v[c]);
+      }
+    }
+  }
+  for (int64_t gi = 0; gi < g; ++gi) {
+    const float inv = w.l[gi] > 0 ? 1.f / w.l[gi] : 0.f;
+    for (int d = 0; d < D; ++d) out[gi * D + d] = w.ot[gi * D + d] * inv;
+  }
+}
+
 // Work shared by the calling thread and its helpers. Helpers hold it by shared_ptr: one
 // that starts after the call returned finds no item left and touches no buffer.
 struct Shared {
@@ -296,6 +384,12 @@ void work(Shared& sh) {
   for (int64_t i; (i = sh.next.fetch_add(1)) < items;) {
     if (!w) w = std::make_unique<Scratch>(s);
     const int64_t b = i / (s.hkv * sh.tiles), h = (i / sh.tiles) % s.hkv;
+    if constexpr (D >= 16) {
+      if (s.t == 1) {
+        run_decode_item<D>(sh.a, *w, b, h);
+        continue;
+      }
+    }
     run_item<D, NV>(sh.a, *w, b, h, (i % sh.tiles) * s.qt);
   }
   std::lock_guard<std::mutex> lock(sh.mu);
