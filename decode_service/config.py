@@ -13,6 +13,7 @@ from megaserve.worker_args import (
     add_backend_argument,
     add_common_arguments,
     advertised_address,
+    grace_seconds,
     parallel_from_args,
     served_model_name,
 )
@@ -52,7 +53,12 @@ def add_arguments(p) -> None:
         help="token budget of one iteration's prefill call, padding included, split over "
         "pieces of several prompts beside the decode step",
     )
-    p.add_argument("--shutdown-grace", type=float, default=10.0)
+    p.add_argument(
+        "--shutdown-grace",
+        type=grace_seconds,
+        default=10.0,
+        help="seconds running requests get to finish after SIGTERM",
+    )
     p.add_argument(
         "--group-timeout-s",
         type=int,

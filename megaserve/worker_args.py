@@ -99,6 +99,20 @@ def positive_int(text: str) -> int:
     return n
 
 
+def grace_seconds(text: str) -> float:
+    """--shutdown-grace S: seconds calls in flight get after SIGTERM (0 or more)."""
+    import argparse
+    import math
+
+    try:
+        s = float(text)
+    except ValueError:
+        s = -1.0
+    if not (s >= 0 and math.isfinite(s)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0")
+    return s
+
+
 def turns_path(text: str) -> str:
     """--cpu-turns PATH: its directory must exist (the lock files are made in it)."""
     import argparse

@@ -10,6 +10,7 @@ from megaserve.worker_args import (
     add_backend_argument,
     add_common_arguments,
     advertised_address,
+    grace_seconds,
     parallel_from_args,
     served_model_name,
 )
@@ -64,6 +65,13 @@ def add_arguments(p) -> None:
         default=PrefillConfig.max_queued,
         help="prompts waiting for a batch row; beyond it RESOURCE_EXHAUSTED + retry-after-ms",
     )
+    p.add_argument(
+        "--shutdown-grace",
+        type=grace_seconds,
+        default=WorkerConfig.shutdown_grace_s,
+        help="seconds prefill calls in flight get after SIGTERM; then the engine ends after "
+        "the call it is in and fails the prompts it still holds",
+    )
     add_backend_argument(p)
 
 
@@ -85,6 +93,7 @@ def config_from_args(a) -> WorkerConfig:
         advertise_host=advertised_address(a, 0).rsplit(":", 1)[0],
         tls=TLSConfig.from_args(a),
         warm_up=a.warm_up == "all",
+        shutdown_grace_s=a.shutdown_grace,
         engine=PrefillConfig(
             page_size=a.page_size,
             kv_budget_bytes=None if a.kv_budget_mb is None else a.kv_budget_mb * 2**20,
