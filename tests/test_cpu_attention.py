@@ -28,6 +28,16 @@ def pool(rng, layers, pages, page_size, hkv, d, lanes):
     return [jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in "kv"]
 
 
+def assert_matches_reference(q, k, v, pos: np.ndarray, table: np.ndarray, hkv: int) -> None:
+    """The kernel on layer 1 equals the reference on live rows and gives 0 on padding."""
+    args = (q, k, v, 1, jnp.asarray(pos), jnp.asarray(table), q.shape[-1] ** -0.5, hkv)
+    got = np.asarray(attend(*args))
+    want = np.asarray(paged_attention_reference(*args))
+    live = pos >= 0
+    np.testing.assert_allclose(got[live], want[live], rtol=2e-5, atol=2e-5)
+    assert not got[~live].any()
+
+
 @pytest.mark.parametrize("hkv,group,d", [(3, 3, 64), (2, 4, 128), (1, 1, 64)])
 def test_kernel_equals_the_reference_on_ragged_rows(hkv, group, d):
     """Row 0: a fresh prompt (cached 0); row 1: 2000 cached tokens, starting mid-page;
@@ -42,12 +52,7 @@ def test_kernel_equals_the_reference_on_ragged_rows(hkv, group, d):
     pos[1] = np.arange(2003, 2003 + t)
     pos[2, :37] = np.arange(500, 537)
     q = jnp.asarray(rng.standard_normal((4, t, hkv * group, d)), jnp.float32)
-    args = (q, k, v, 1, jnp.asarray(pos), jnp.asarray(table), d**-0.5, hkv)
-    got = np.asarray(attend(*args))
-    want = np.asarray(paged_attention_reference(*args))
-    live = pos >= 0
-    np.testing.assert_allclose(got[live], want[live], rtol=2e-5, atol=2e-5)
-    assert not got[~live].any()
+    assert_matches_reference(q, k, v, pos, table, hkv)
 
 
 @pytest.mark.parametrize(
@@ -65,12 +70,7 @@ def test_decode_shaped_calls_equal_the_reference(t, hkv, group, d):
     start = np.asarray([0, 1, 37, 3000, -1])
     pos = np.where(start[:, None] >= 0, start[:, None] + np.arange(t), -1).astype(np.int32)
     q = jnp.asarray(rng.standard_normal((5, t, hkv * group, d)), jnp.float32)
-    args = (q, k, v, 1, jnp.asarray(pos), jnp.asarray(table), d**-0.5, hkv)
-    got = np.asarray(attend(*args))
-    want = np.asarray(paged_attention_reference(*args))
-    live = pos >= 0
-    np.testing.assert_allclose(got[live], want[live], rtol=2e-5, atol=2e-5)
-    assert not got[~live].any()
+    assert_matches_reference(q, k, v, pos, table, hkv)
 
 
 @pytest.mark.parametrize("t", [1, 2])
