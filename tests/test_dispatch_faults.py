@@ -6,17 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from types import SimpleNamespace
 
 import grpc
 
 from megaserve.rpc import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from megaserve.state_keys import WorkerInfo
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.frontend import Job
 from router.state import ClusterState, WorkerView
 from tests.conftest import FakeClock
+from tests.dispatch_helpers import job, worker_view
 
 PROMPT = list(range(3, 83))  # 80 tokens: over disagg_min_uncached_tokens, so prefill is used
 N = 12
@@ -82,13 +81,11 @@ class ScriptedPrefill(prefill_pb2_grpc.PrefillServicer):
 
 
 def _view(worker_id: str, role: str, port: int) -> WorkerView:
-    info = WorkerInfo(worker_id, role, f"127.0.0.1:{port}", "m", 64, 64, 0, 0, 16, 512, 384)
-    return WorkerView(info)
+    return worker_view(worker_id, role, f"127.0.0.1:{port}")
 
 
 def _job(rid: str) -> Job:
-    return Job(rid, SimpleNamespace(name="m"), PROMPT, decode_pb2.SamplingParams(), N,
-               (), (), True, "")  # fmt: skip
+    return job(rid, PROMPT, N)
 
 
 async def _collect(disp: Dispatcher, job: Job) -> list[int]:

@@ -8,23 +8,20 @@ encoder: nothing a client sends can cause it."""
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 from decode_service.engine import DecodeEngine, EngineConfig, wait_idle
 from decode_service.scheduler import SchedulerConfig
 from decode_service.server import create_server as create_decode
 from megaserve.kv import frames, wire
 from megaserve.offline import OfflineGenerator
-from megaserve.rpc import decode_pb2
 from megaserve.sampling_params import SamplingParams
 from megaserve.server_thread import ServerThread
-from megaserve.state_keys import WorkerInfo
 from prefill_service.engine import PrefillConfig, PrefillEngine
 from prefill_service.server import create_server as create_prefill
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
-from router.frontend import Job
-from router.state import ClusterState, WorkerView
+from router.state import ClusterState
+from tests.dispatch_helpers import job, worker_view
 
 PROMPT = [(i * 7) % 90 + 3 for i in range(80)]  # over disagg_min_uncached_tokens below
 N = 10
@@ -40,19 +37,18 @@ def _corrupted(encode):
 
 
 async def _route(d_addr: str, p_addr: str, page_size: int) -> tuple[list[int], Dispatcher]:
-    def view(worker_id: str, role: str, address: str) -> WorkerView:
-        return WorkerView(WorkerInfo(worker_id, role, address, "m", 64, 64, 0, 0, page_size, 256))
-
     state = ClusterState(None)
-    state.workers = {"d": view("d", "decode", d_addr), "p": view("p", "prefill", p_addr)}
+    state.workers = {
+        "d": worker_view("d", "decode", d_addr, page_size, 256),
+        "p": worker_view("p", "prefill", p_addr, page_size, 256),
+    }
     cfg = RouterConfig(
         disagg_min_uncached_tokens=16, retry_base_delay_ms=1.0, circuit_breaker_failures=1
     )
     disp = Dispatcher(state, cfg)
-    job = Job("bad-kv", SimpleNamespace(name="m"), PROMPT, decode_pb2.SamplingParams(), N,
-              (), (), True, "")  # fmt: skip
     try:
-        tokens = [t async for c in disp.run(job, deadline=None) for t in c.token_ids]
+        tokens = [t async for c in disp.run(job("bad-kv", PROMPT, N), deadline=None)
+                  for t in c.token_ids]  # fmt: skip
         await disp.drain()  # the failed try's background Release
         return tokens, disp
     finally:
