@@ -272,13 +272,20 @@ void run_item(const Args& a, Scratch& w, int64_t b, int64_t h, int64_t t0) {
     }
 }
 
-// The sum of x's 16 lanes, as a tree (a plain loop would be 16 dependent scalar adds).
+// The sum of x's 16 lanes, as a tree of halves (a plain loop would be 16 dependent scalar
+// adds). Halves by memcpy, which compilers turn into lane extracts: __builtin_shufflevector
+// needs GCC 12, and Ubuntu 22.04's g++ is 11.
 inline float hsum(v16 x) {
   typedef float v8 __attribute__((vector_size(32)));
   typedef float v4 __attribute__((vector_size(16)));
-  const v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
-               __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-  const v4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  v8 lo, hi;
+  std::memcpy(&lo, &x, sizeof lo);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof lo, sizeof hi);
+  const v8 a = lo + hi;
+  v4 a0, a1;
+  std::memcpy(&a0, &a, sizeof a0);
+  std::memcpy(&a1, reinterpret_cast<const char*>(&a) + sizeof a0, sizeof a1);
+  const v4 c = a0 + a1;
   return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
