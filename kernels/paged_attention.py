@@ -90,25 +90,17 @@ def paged_attention(
     """
     b, t, hq, d = q.shape
     hkv = num_kv_heads or k_cache.shape[-1] // d
+    # Chosen when the program is lowered: the Pallas kernel for TPU, the C++ kernel on CPU
+    # where it builds (`cpu_attention`), the XLA blockwise path elsewhere.
+    default = _blockwise
     if t == 1:
         # A decode step's scores are [B, Hq, 1, S], small at any context; and a loop over
         # the blocks made XLA:CPU copy the whole pool into the loop's carry. Its gather of
         # the whole table is not small: on CPU the kernel reads the keys in place instead
         # (SmolLM2 f32 at context 1200, batch 16: 304.5 ms a step with the gather, 161.7 in
-        # place; docs/prefill.md).
-        ref = functools.partial(
-            paged_attention_reference, layer=layer, scale=scale, num_kv_heads=num_kv_heads
-        )
-        if not cpu_attention.supports(q, k_cache):
-            return ref(q, k_cache, v_cache, positions=positions, page_table=page_table)
-        return jax.lax.platform_dependent(
-            q, k_cache, v_cache, positions, page_table,
-            default=lambda q, k, v, p, t: ref(q, k, v, positions=p, page_table=t),
-            cpu=functools.partial(_cpu_kernel, layer=layer, scale=scale, hkv=hkv),
-        )  # fmt: skip
-    # Chosen when the program is lowered: the Pallas kernel for TPU, the C++ kernel on CPU
-    # where it builds (`cpu_attention`), the XLA blockwise path elsewhere.
-    kernels = {"default": functools.partial(_blockwise, layer=layer, scale=scale, hkv=hkv)}
+        # place; docs/prefill.md). No Pallas kernel (block_q): on TPU the megakernel runs decode.
+        default = _reference
+    kernels = {"default": functools.partial(default, layer=layer, scale=scale, hkv=hkv)}
     if cpu_attention.supports(q, k_cache):
         kernels["cpu"] = functools.partial(_cpu_kernel, layer=layer, scale=scale, hkv=hkv)
     block_q = next((n for n in (128, 64, 32, 16, 8) if t % n == 0), None)
@@ -120,6 +112,10 @@ def paged_attention(
     if len(kernels) == 1:
         return kernels["default"](q, k_cache, v_cache, positions, page_table)
     return jax.lax.platform_dependent(q, k_cache, v_cache, positions, page_table, **kernels)
+
+
+def _reference(q, k_cache, v_cache, positions, page_table, layer, scale, hkv):
+    return paged_attention_reference(q, k_cache, v_cache, layer, positions, page_table, scale, hkv)
 
 
 def _cpu_kernel(q, k_cache, v_cache, positions, page_table, layer, scale, hkv):

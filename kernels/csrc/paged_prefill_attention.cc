@@ -98,6 +98,13 @@ struct Args {
   float scale;
 };
 
+// Where key `key` of KV head h starts in the layer's slice of the pool. The page id is
+// clipped to the pool, as XLA's gather with mode="clip": a bad table cannot read outside it.
+inline int64_t key_offset(const Shapes& s, const int32_t* table, int64_t key, int64_t h, int d) {
+  const int64_t page = std::clamp<int64_t>(table[key / s.page_size], 0, s.pages - 1);
+  return (page * s.page_size + key % s.page_size) * s.row + h * d;
+}
+
 // Per-thread tiles, transposed so a vector holds 16 query rows (row r = tq * G + g):
 // Q^T [D, R], O^T [D, R], S^T / P^T [KB, R]; per row m, l, rescale and position. K and V
 // are read in place from the pool: one row pointer per key of the block.
@@ -251,9 +258,7 @@ void run_item(const Args& a, Scratch& w, int64_t b, int64_t h, int64_t t0) {
         std::min<int64_t>(pmax + 1, s.width * s.page_size) - s0, 0, KB);
     for (int64_t j = 0; j < KB; ++j) {
       if (j < n) {
-        const int64_t key = s0 + j;
-        const int64_t page = std::clamp<int64_t>(table[key / s.page_size], 0, s.pages - 1);
-        const int64_t off = (page * s.page_size + key % s.page_size) * s.row + h * D;
+        const int64_t off = key_offset(s, table, s0 + j, h, D);
         w.kp[j] = a.k + off, w.vp[j] = a.v + off;
       } else {
         w.kp[j] = w.vp[j] = w.zero;  // masked below: past pmax, so past every position
@@ -314,9 +319,7 @@ void run_decode_item(const Args& a, Scratch& w, int64_t b, int64_t h) {
   for (int64_t s0 = 0; s0 < keys; s0 += KB) {
     const int64_t n = std::min<int64_t>(KB, keys - s0);
     for (int64_t j = 0; j < n; ++j) {
-      const int64_t key = s0 + j;
-      const int64_t page = std::clamp<int64_t>(table[key / s.page_size], 0, s.pages - 1);
-      const int64_t off = (page * s.page_size + key % s.page_size) * s.row + h * D;
+      const int64_t off = key_offset(s, table, s0 + j, h, D);
       w.kp[j] = a.k + off, w.vp[j] = a.v + off;
     }
     for (int64_t j = 0; j < n; ++j) {
