@@ -98,7 +98,8 @@ def paged_attention(
         # the blocks made XLA:CPU copy the whole pool into the loop's carry. Its gather of
         # the whole table is not small: on CPU the kernel reads the keys in place instead
         # (SmolLM2 f32 at context 1200, batch 16: 304.5 ms a step with the gather, 161.7 in
-        # place; docs/prefill.md). No Pallas kernel (block_q): on TPU the megakernel runs decode.
+        # place; docs/prefill.md). No Pallas entry (block_q is None at T = 1): on TPU the
+        # decode step is the megakernel's, and an XLA step there runs the reference.
         default = _reference
     kernels = {"default": functools.partial(default, layer=layer, scale=scale, hkv=hkv)}
     if cpu_attention.supports(q, k_cache):
