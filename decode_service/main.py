@@ -83,6 +83,7 @@ async def serve(cfg: WorkerConfig) -> None:
             await asyncio.to_thread(wait_idle, engine, cfg.shutdown_grace_s)
         except TimeoutError:
             log.warning("grace period over; cancelling", live=engine.live_count)
+        servicer.streams.close_idle()  # the routers' streams end now, not at the server's stop
 
     async def stop() -> None:
         await server.stop(1.0)

@@ -1,4 +1,5 @@
-"""The decode worker's gRPC server (grpc.aio): Generate streams, Reserve, Release, Stats."""
+"""The decode worker's gRPC server (grpc.aio): Generate (per call or many on one stream),
+Reserve, Release, Stats."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import structlog
 from decode_service import kv_service
 from decode_service.engine import DecodeEngine
 from decode_service.events import TokenEvent
+from decode_service.generate_stream import StreamHub
 from decode_service.metrics import WorkerMetrics
 from decode_service.sequence import Sequence
 from megaserve.errors import NoCapacity, RequestError
@@ -96,6 +98,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.engine = engine
         self.metrics = metrics or WorkerMetrics(engine, engine.model.name)
         self.draining = False
+        self.streams = StreamHub()
 
     async def Generate(self, request, context):  # noqa: N802 (gRPC method name)
         loop = asyncio.get_running_loop()
@@ -164,6 +167,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             # Client cancel, disconnect or deadline: the engine frees the pages next step.
             if not done:
                 self.engine.cancel(rid)
+
+    async def GenerateStream(self, request_iterator, context):  # noqa: N802
+        async for m in self.streams.serve(self.Generate, request_iterator):
+            yield m
 
     async def Release(self, request, context):  # noqa: N802
         if not await asyncio.to_thread(self.engine.cancel, request.request_id):

@@ -40,6 +40,9 @@ class RouterConfig:
     # count them (in flight, not yet in the worker's published set) too.
     share_placements: bool = True
     reservation_lease_ms: int = 60000
+    # Decode calls go over one long-lived GenerateStream per worker (per-call gRPC costs paid
+    # once); false: one Generate call per request.
+    worker_streams: bool = True
     # A Generate whose model has no healthy decode worker waits this long for one (never past
     # its deadline) before UNAVAILABLE.
     no_worker_wait_s: float = 30.0

@@ -20,7 +20,7 @@ from megaserve.errors import NoCapacity
 from megaserve.finish import FinishReason
 from megaserve.futures import spawn
 from megaserve.kv.pages import pages_for_tokens
-from megaserve.rpc import decode_pb2, decode_pb2_grpc, prefill_pb2
+from megaserve.rpc import decode_pb2, prefill_pb2
 from router import costs
 from router.chunk import Chunk
 from router.circuit import CircuitBreakers
@@ -30,6 +30,7 @@ from router.overload import Overloaded, retry_after_of
 from router.policies import RouteRequest, make_policy
 from router.policies.round_robin import RoundRobin
 from router.state import ClusterState, Session, WorkerView
+from router.worker_stream import WorkerCalls
 from router.workers import HandoffFailed, WorkerClients, WorkerFailed, classify, handoff
 
 log = structlog.get_logger("megaserve.router")
@@ -45,8 +46,8 @@ class Dispatcher:
         self.fallback = RoundRobin()  # while Redis is down: the last view, no load data
         self.breakers = CircuitBreakers(cfg.circuit_breaker_failures, cfg.circuit_breaker_reset_s)
         self.clients = WorkerClients(channel_factory)
+        self.calls = WorkerCalls(self.clients.channel, cfg.worker_streams)
         self._background: set[asyncio.Task] = set()
-        self._generate_rpcs: dict[grpc.aio.Channel, object] = {}
         self.stats = {"migrations": 0, "retries": 0, "disaggregated": 0, "colocated": 0}
 
     async def drain(self) -> None:
@@ -58,6 +59,7 @@ class Dispatcher:
 
     async def close(self) -> None:
         await self.drain()
+        await self.calls.close()
         await self.clients.close()
 
     # -- placement ---------------------------------------------------------------------
@@ -226,7 +228,6 @@ class Dispatcher:
         # worker-side leftovers, can never touch the next try's request.
         rid = f"{job.request_id}#{try_no}.{len(generated)}"
         remaining = job.max_tokens - len(generated)
-        generate = self._generate_rpc(d.address)
         stopping = decode_pb2.StoppingParams(
             max_tokens=remaining, stop_token_ids=job.stop_token_ids, ignore_eos=job.ignore_eos
         )
@@ -277,13 +278,13 @@ class Dispatcher:
                         # Generate now, while the KV's tail is on its way: the call waits on
                         # the reservation and its sequence starts at the commit, without the
                         # PrefillResponse -> router -> Generate hops in the first token gap.
-                        call = generate(req, timeout=self._timeout(deadline))
+                        call = await self.calls.start(d.address, req, self._timeout(deadline))
                         yield c
                 self.stats["disaggregated"] += 1
             else:
                 self.stats["colocated"] += 1
             if call is None:
-                call = generate(req, timeout=self._timeout(deadline))
+                call = await self.calls.start(d.address, req, self._timeout(deadline))
             try:
                 # read(), not `async for`: no response iterator left for the finalizer to close.
                 while (r := await call.read()) is not grpc.aio.EOF:
@@ -312,15 +313,6 @@ class Dispatcher:
                 # Cancelled (or failed) between Reserve and the first token: the decode worker
                 # may hold the reservation, KV included. Free it now, even while cancelled.
                 self._spawn(self.clients.release(d.address, rid))
-
-    def _generate_rpc(self, address: str):
-        """The worker's Generate callable, made once per channel (a stub per request would
-        build a callable for every Decode method, every time)."""
-        ch = self.clients.channel(address)
-        rpc = self._generate_rpcs.get(ch)
-        if rpc is None:
-            rpc = self._generate_rpcs[ch] = decode_pb2_grpc.DecodeStub(ch).Generate
-        return rpc
 
     def _spawn(self, coro) -> None:
         spawn(coro, self._background)

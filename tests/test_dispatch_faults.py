@@ -9,6 +9,7 @@ import time
 
 import grpc
 
+from decode_service.generate_stream import StreamHub
 from megaserve.rpc import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
@@ -30,6 +31,7 @@ class ScriptedDecode(decode_pb2_grpc.DecodeServicer):
         self.break_first, self.hold_first = break_first, hold_first
         self.reserved, self.generated, self.released = [], [], []
         self.live: dict[str, asyncio.Event] = {}
+        self.streams = StreamHub()
 
     async def Reserve(self, req, ctx):
         self.reserved.append(req.request_id)
@@ -63,6 +65,10 @@ class ScriptedDecode(decode_pb2_grpc.DecodeServicer):
                 )
         finally:
             self.live.pop(req.request_id, None)
+
+    async def GenerateStream(self, requests, ctx):  # the router's path: its stream
+        async for m in self.streams.serve(self.Generate, requests):
+            yield m
 
 
 class ScriptedPrefill(prefill_pb2_grpc.PrefillServicer):

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1amegaserve/rpc/decode.proto\x12\x15megaserve.internal.v1\"\xb1\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\"P\n\x0eStoppingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\x05\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\"\x8a\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x37\n\x08sampling\x18\x03 \x01(\x0b\x32%.megaserve.internal.v1.SamplingParams\x12\x37\n\x08stopping\x18\x04 \x01(\x0b\x32%.megaserve.internal.v1.StoppingParams\x12\x10\n\x08logprobs\x18\x05 \x01(\x05\x12\x16\n\x0eresumed_tokens\x18\x06 \x01(\x05\x12\x17\n\x0fprompt_logprobs\x18\x07 \x01(\x08\x12\x14\n\x0cprompt_top_n\x18\x08 \x01(\x05\"_\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\x94\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12:\n\rfinish_reason\x18\x02 \x01(\x0e\x32#.megaserve.internal.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x36\n\x08logprobs\x18\x06 \x03(\x0b\x32$.megaserve.internal.v1.TokenLogprobs\x12=\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32$.megaserve.internal.v1.TokenLogprobs\"P\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x10\n\x08lease_ms\x18\x03 \x01(\r\"O\n\x0fReserveResponse\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x01 \x01(\x05\x12\x13\n\x0btotal_pages\x18\x02 \x01(\x05\x12\x11\n\tpage_size\x18\x03 \x01(\x05\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse\"\x0e\n\x0cStatsRequest\"\xcc\x02\n\rStatsResponse\x12\x13\n\x0btotal_pages\x18\x01 \x01(\x05\x12\x12\n\nfree_pages\x18\x02 \x01(\x05\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x03 \x01(\x05\x12\x0f\n\x07running\x18\x04 \x01(\x05\x12\x0f\n\x07waiting\x18\x05 \x01(\x05\x12\x10\n\x08reserved\x18\x06 \x01(\x05\x12\r\n\x05steps\x18\x07 \x01(\x03\x12\x13\n\x0bpreemptions\x18\x08 \x01(\x03\x12\x11\n\tpage_size\x18\t \x01(\x05\x12\x16\n\x0eprefill_tokens\x18\n \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0b \x01(\x03\x12\x19\n\x11imported_requests\x18\x0c \x01(\x03\x12\x10\n\x08requests\x18\r \x01(\x03\x12\x15\n\rstep_failures\x18\x0e \x01(\x03\x12\x17\n\x0f\x63pu_turn_wait_s\x18\x0f \x01(\x01*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xef\x02\n\x06\x44\x65\x63ode\x12]\n\x08Generate\x12&.megaserve.internal.v1.GenerateRequest\x1a\'.megaserve.internal.v1.GenerateResponse0\x01\x12X\n\x07Reserve\x12%.megaserve.internal.v1.ReserveRequest\x1a&.megaserve.internal.v1.ReserveResponse\x12X\n\x07Release\x12%.megaserve.internal.v1.ReleaseRequest\x1a&.megaserve.internal.v1.ReleaseResponse\x12R\n\x05Stats\x12#.megaserve.internal.v1.StatsRequest\x1a$.megaserve.internal.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1amegaserve/rpc/decode.proto\x12\x15megaserve.internal.v1\"\xb1\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\"P\n\x0eStoppingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\x05\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\"\x8a\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x37\n\x08sampling\x18\x03 \x01(\x0b\x32%.megaserve.internal.v1.SamplingParams\x12\x37\n\x08stopping\x18\x04 \x01(\x0b\x32%.megaserve.internal.v1.StoppingParams\x12\x10\n\x08logprobs\x18\x05 \x01(\x05\x12\x16\n\x0eresumed_tokens\x18\x06 \x01(\x05\x12\x17\n\x0fprompt_logprobs\x18\x07 \x01(\x08\x12\x14\n\x0cprompt_top_n\x18\x08 \x01(\x05\"_\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\x94\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12:\n\rfinish_reason\x18\x02 \x01(\x0e\x32#.megaserve.internal.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x36\n\x08logprobs\x18\x06 \x03(\x0b\x32$.megaserve.internal.v1.TokenLogprobs\x12=\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32$.megaserve.internal.v1.TokenLogprobs\"y\n\rStreamRequest\x12:\n\x08generate\x18\x01 \x01(\x0b\x32&.megaserve.internal.v1.GenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x12\x12\n\ntimeout_ms\x18\x03 \x01(\rB\x06\n\x04kind\"f\n\x0cStreamStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x37\n\x08trailing\x18\x03 \x03(\x0b\x32%.megaserve.internal.v1.StreamMetadata\",\n\x0eStreamMetadata\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c\"\xa0\x01\n\x0eStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12;\n\x08response\x18\x02 \x01(\x0b\x32\'.megaserve.internal.v1.GenerateResponseH\x00\x12\x35\n\x06status\x18\x03 \x01(\x0b\x32#.megaserve.internal.v1.StreamStatusH\x00\x42\x06\n\x04kind\"P\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x10\n\x08lease_ms\x18\x03 \x01(\r\"O\n\x0fReserveResponse\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x01 \x01(\x05\x12\x13\n\x0btotal_pages\x18\x02 \x01(\x05\x12\x11\n\tpage_size\x18\x03 \x01(\x05\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse\"\x0e\n\x0cStatsRequest\"\xcc\x02\n\rStatsResponse\x12\x13\n\x0btotal_pages\x18\x01 \x01(\x05\x12\x12\n\nfree_pages\x18\x02 \x01(\x05\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x03 \x01(\x05\x12\x0f\n\x07running\x18\x04 \x01(\x05\x12\x0f\n\x07waiting\x18\x05 \x01(\x05\x12\x10\n\x08reserved\x18\x06 \x01(\x05\x12\r\n\x05steps\x18\x07 \x01(\x03\x12\x13\n\x0bpreemptions\x18\x08 \x01(\x03\x12\x11\n\tpage_size\x18\t \x01(\x05\x12\x16\n\x0eprefill_tokens\x18\n \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0b \x01(\x03\x12\x19\n\x11imported_requests\x18\x0c \x01(\x03\x12\x10\n\x08requests\x18\r \x01(\x03\x12\x15\n\rstep_failures\x18\x0e \x01(\x03\x12\x17\n\x0f\x63pu_turn_wait_s\x18\x0f \x01(\x01*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xd2\x03\n\x06\x44\x65\x63ode\x12]\n\x08Generate\x12&.megaserve.internal.v1.GenerateRequest\x1a\'.megaserve.internal.v1.GenerateResponse0\x01\x12\x61\n\x0eGenerateStream\x12$.megaserve.internal.v1.StreamRequest\x1a%.megaserve.internal.v1.StreamResponse(\x01\x30\x01\x12X\n\x07Reserve\x12%.megaserve.internal.v1.ReserveRequest\x1a&.megaserve.internal.v1.ReserveResponse\x12X\n\x07Release\x12%.megaserve.internal.v1.ReleaseRequest\x1a&.megaserve.internal.v1.ReleaseResponse\x12R\n\x05Stats\x12#.megaserve.internal.v1.StatsRequest\x1a$.megaserve.internal.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'megaserve.rpc.decode_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1531
-  _globals['_FINISHREASON']._serialized_end=1626
+  _globals['_FINISHREASON']._serialized_start=1967
+  _globals['_FINISHREASON']._serialized_end=2062
   _globals['_SAMPLINGPARAMS']._serialized_start=54
   _globals['_SAMPLINGPARAMS']._serialized_end=231
   _globals['_STOPPINGPARAMS']._serialized_start=233
@@ -43,18 +43,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENLOGPROBS']._serialized_end=679
   _globals['_GENERATERESPONSE']._serialized_start=682
   _globals['_GENERATERESPONSE']._serialized_end=958
-  _globals['_RESERVEREQUEST']._serialized_start=960
-  _globals['_RESERVEREQUEST']._serialized_end=1040
-  _globals['_RESERVERESPONSE']._serialized_start=1042
-  _globals['_RESERVERESPONSE']._serialized_end=1121
-  _globals['_RELEASEREQUEST']._serialized_start=1123
-  _globals['_RELEASEREQUEST']._serialized_end=1159
-  _globals['_RELEASERESPONSE']._serialized_start=1161
-  _globals['_RELEASERESPONSE']._serialized_end=1178
-  _globals['_STATSREQUEST']._serialized_start=1180
-  _globals['_STATSREQUEST']._serialized_end=1194
-  _globals['_STATSRESPONSE']._serialized_start=1197
-  _globals['_STATSRESPONSE']._serialized_end=1529
-  _globals['_DECODE']._serialized_start=1629
-  _globals['_DECODE']._serialized_end=1996
+  _globals['_STREAMREQUEST']._serialized_start=960
+  _globals['_STREAMREQUEST']._serialized_end=1081
+  _globals['_STREAMSTATUS']._serialized_start=1083
+  _globals['_STREAMSTATUS']._serialized_end=1185
+  _globals['_STREAMMETADATA']._serialized_start=1187
+  _globals['_STREAMMETADATA']._serialized_end=1231
+  _globals['_STREAMRESPONSE']._serialized_start=1234
+  _globals['_STREAMRESPONSE']._serialized_end=1394
+  _globals['_RESERVEREQUEST']._serialized_start=1396
+  _globals['_RESERVEREQUEST']._serialized_end=1476
+  _globals['_RESERVERESPONSE']._serialized_start=1478
+  _globals['_RESERVERESPONSE']._serialized_end=1557
+  _globals['_RELEASEREQUEST']._serialized_start=1559
+  _globals['_RELEASEREQUEST']._serialized_end=1595
+  _globals['_RELEASERESPONSE']._serialized_start=1597
+  _globals['_RELEASERESPONSE']._serialized_end=1614
+  _globals['_STATSREQUEST']._serialized_start=1616
+  _globals['_STATSREQUEST']._serialized_end=1630
+  _globals['_STATSRESPONSE']._serialized_start=1633
+  _globals['_STATSRESPONSE']._serialized_end=1965
+  _globals['_DECODE']._serialized_start=2065
+  _globals['_DECODE']._serialized_end=2531
 # @@protoc_insertion_point(module_scope)

@@ -96,6 +96,44 @@ class GenerateResponse(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., step: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
+class StreamRequest(_message.Message):
+    __slots__ = ("generate", "cancel", "timeout_ms")
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    generate: GenerateRequest
+    cancel: str
+    timeout_ms: int
+    def __init__(self, generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class StreamStatus(_message.Message):
+    __slots__ = ("code", "message", "trailing")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TRAILING_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    trailing: _containers.RepeatedCompositeFieldContainer[StreamMetadata]
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., trailing: _Optional[_Iterable[_Union[StreamMetadata, _Mapping]]] = ...) -> None: ...
+
+class StreamMetadata(_message.Message):
+    __slots__ = ("key", "value")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    value: bytes
+    def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+
+class StreamResponse(_message.Message):
+    __slots__ = ("request_id", "response", "status")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    response: GenerateResponse
+    status: StreamStatus
+    def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[GenerateResponse, _Mapping]] = ..., status: _Optional[_Union[StreamStatus, _Mapping]] = ...) -> None: ...
+
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "lease_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

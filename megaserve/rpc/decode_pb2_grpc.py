@@ -41,6 +41,11 @@ class DecodeStub:
                 request_serializer=megaserve_dot_rpc_dot_decode__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=megaserve_dot_rpc_dot_decode__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/megaserve.internal.v1.Decode/GenerateStream',
+                request_serializer=megaserve_dot_rpc_dot_decode__pb2.StreamRequest.SerializeToString,
+                response_deserializer=megaserve_dot_rpc_dot_decode__pb2.StreamResponse.FromString,
+                _registered_method=True)
         self.Reserve = channel.unary_unary(
                 '/megaserve.internal.v1.Decode/Reserve',
                 request_serializer=megaserve_dot_rpc_dot_decode__pb2.ReserveRequest.SerializeToString,
@@ -66,6 +71,16 @@ class DecodeServicer:
     def Generate(self, request, context):
         """Generates tokens for a prompt whose KV this worker computes itself (chunked prefill,
         interleaved with running decode steps). One response per decode step.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStream(self, request_iterator, context):
+        """Many Generate calls over one long-lived stream (a router's, to this worker): each
+        request's messages carry its id, and the per-call costs of gRPC are paid once per
+        stream, not once per request. A request behaves as its own Generate call would, its
+        status included; a stream that breaks fails every request still on it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -100,6 +115,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=megaserve_dot_rpc_dot_decode__pb2.GenerateRequest.FromString,
                     response_serializer=megaserve_dot_rpc_dot_decode__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=megaserve_dot_rpc_dot_decode__pb2.StreamRequest.FromString,
+                    response_serializer=megaserve_dot_rpc_dot_decode__pb2.StreamResponse.SerializeToString,
             ),
             'Reserve': grpc.unary_unary_rpc_method_handler(
                     servicer.Reserve,
@@ -146,6 +166,33 @@ class Decode:
             '/megaserve.internal.v1.Decode/Generate',
             megaserve_dot_rpc_dot_decode__pb2.GenerateRequest.SerializeToString,
             megaserve_dot_rpc_dot_decode__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/megaserve.internal.v1.Decode/GenerateStream',
+            megaserve_dot_rpc_dot_decode__pb2.StreamRequest.SerializeToString,
+            megaserve_dot_rpc_dot_decode__pb2.StreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

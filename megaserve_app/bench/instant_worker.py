@@ -9,6 +9,7 @@ import os
 
 import grpc
 
+from decode_service.generate_stream import StreamHub
 from megaserve.logs import announce
 from megaserve.rpc import decode_pb2, decode_pb2_grpc
 
@@ -16,6 +17,9 @@ TOKEN = 7
 
 
 class InstantDecode(decode_pb2_grpc.DecodeServicer):
+    def __init__(self):
+        self.streams = StreamHub()
+
     async def Generate(self, request, context):  # noqa: N802 (gRPC method name)
         n = max(request.stopping.max_tokens, 1)
         for i in range(n):
@@ -24,6 +28,10 @@ class InstantDecode(decode_pb2_grpc.DecodeServicer):
                 token_ids=[TOKEN],
                 finish_reason=decode_pb2.FINISH_REASON_LENGTH if last else 0,
             )
+
+    async def GenerateStream(self, request_iterator, context):  # noqa: N802
+        async for m in self.streams.serve(self.Generate, request_iterator):
+            yield m
 
 
 async def serve() -> None:

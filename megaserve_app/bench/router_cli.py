@@ -54,6 +54,12 @@ def add_router(bsub) -> None:
         action="store_true",
         help="overhead: send no request_id; the router makes one (no Redis claim)",
     )
+    rt.add_argument(
+        "--per-request-calls",
+        action="store_true",
+        help="overhead: the router's config says worker_streams: false (a Generate call per "
+        "request to the worker, not one GenerateStream per worker)",
+    )
     rt.add_argument("--json-out")
     rt.set_defaults(func=cmd_bench_router)
 
@@ -67,6 +73,7 @@ def _overhead(a, worker_args) -> dict:
         worker_args=worker_args,
         instant_worker=a.instant_worker,
         client_ids=not a.router_ids,
+        worker_streams=not a.per_request_calls,
     )
 
 

@@ -145,26 +145,27 @@ async def _pairs(worker: str, router: str, prompts, tag: str, client_ids: bool =
     return direct, via
 
 
-def _router(cluster: Cluster, tmp: Path) -> Proc:
+def _router(cluster: Cluster, tmp: Path, worker_streams: bool) -> Proc:
     """The router under test: co-located prefill (one decode worker, no prefill tier)."""
     cfg = tmp / "lb-overhead.yaml"
-    cfg.write_text(f"disagg_min_uncached_tokens: {1 << 30}\n")
+    streams = "true" if worker_streams else "false"
+    cfg.write_text(f"disagg_min_uncached_tokens: {1 << 30}\nworker_streams: {streams}\n")
     router = cluster.router("overhead", "--config", str(cfg))
     router.wait_ready()
     return router
 
 
 @contextlib.contextmanager
-def _real_stack(checkpoint, worker_args, vocab, prompt_len):
+def _real_stack(checkpoint, worker_args, vocab, prompt_len, worker_streams):
     """(decode worker address, router) over a fresh Redis: the model's real worker."""
     with BenchStack(checkpoint, 1, 0, worker_args, vocab) as st:
         worker = st.decoders[0].address
         _warm(worker, vocab, [prompt_len], 1)
-        yield worker, _router(st.cluster, st.tmp)
+        yield worker, _router(st.cluster, st.tmp, worker_streams)
 
 
 @contextlib.contextmanager
-def _instant_stack(checkpoint, vocab):
+def _instant_stack(checkpoint, vocab, worker_streams):
     """(stand-in worker address, router) over a fresh Redis; the worker answers at once."""
     import redis
 
@@ -180,7 +181,7 @@ def _instant_stack(checkpoint, vocab):
         r = redis.Redis.from_url(redis_proc.url)
         r.hset(worker_key(info.worker_id), mapping=info.to_hash())  # no TTL: it never beats
         r.sadd(workers_set("decode"), info.worker_id)
-        yield worker.address, _router(cluster, tmp)
+        yield worker.address, _router(cluster, tmp, worker_streams)
     finally:
         cluster.stop()
         worker.stop()
@@ -194,6 +195,7 @@ def bench_router_overhead(
     worker_args=(),
     instant_worker: bool = False,
     client_ids: bool = True,
+    worker_streams: bool = True,
     log=print,
 ) -> dict:
     """One decode worker (or the instant stand-in), one router, a fresh Redis; see the
@@ -208,9 +210,9 @@ def bench_router_overhead(
     prompts = [rng.integers(lo, vocab, prompt_len).tolist() for _ in range(n)]
     warm, timed = prompts[: 2 * WARMUP_PAIRS], prompts[2 * WARMUP_PAIRS :]
     stack = (
-        _instant_stack(checkpoint, vocab)
+        _instant_stack(checkpoint, vocab, worker_streams)
         if instant_worker
-        else _real_stack(checkpoint, worker_args, vocab, prompt_len)
+        else _real_stack(checkpoint, worker_args, vocab, prompt_len, worker_streams)
     )
     with stack as (worker, router):
         asyncio.run(_pairs(worker, router.address, warm, "warm"))  # waits for the view too
@@ -224,6 +226,7 @@ def bench_router_overhead(
     out |= {
         "worker": "instant stand-in" if instant_worker else "decode worker",
         "request_ids": "client's" if client_ids else "router-made",
+        "worker_calls": "one stream per worker" if worker_streams else "one call per request",
         "prompt_tokens": prompt_len,
         "router_costs": measured,
         "router_idle": idle,
@@ -234,7 +237,8 @@ def bench_router_overhead(
 
 def format_report(out: dict) -> str:
     rows = [
-        f"router overhead ({out['worker']}, {out['request_ids']} request ids): "
+        f"router overhead ({out['worker']}, {out['request_ids']} request ids, "
+        f"{out.get('worker_calls', 'one call per request')} to the worker): "
         f"{out['pairs']} pairs, TTFT with max_tokens 1, "
         f"{out['prompt_tokens']}-token prompts (all distinct), direct and via the router "
         "alternating",

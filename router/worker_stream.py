@@ -1,0 +1,222 @@
+"""The router's decode calls: one long-lived Decode.GenerateStream per worker, shared by every
+request sent there, or (with `worker_streams: false`, or a worker without that method) one
+Generate call per request.
+
+Either way a request gets a call with the same surface: `read()` (a GenerateResponse, or
+grpc.aio.EOF after the last), `cancel()`, `done()`; and fails with the grpc.aio.AioRpcError
+its own Generate call would have raised, so retries, migration and the circuit breakers
+read it as they read a call's status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable
+
+import grpc
+import structlog
+
+from megaserve.rpc import decode_pb2, decode_pb2_grpc
+
+log = structlog.get_logger("megaserve.router")
+_EMPTY = grpc.aio.Metadata()
+
+
+def rpc_error(code: grpc.StatusCode, details: str, trailing=_EMPTY) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, _EMPTY, trailing, details)
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def _status_error(s: decode_pb2.StreamStatus) -> grpc.aio.AioRpcError:
+    """The error a Generate call would have raised with this status."""
+    trailing = grpc.aio.Metadata(
+        *((m.key, m.value if m.key.endswith("-bin") else m.value.decode()) for m in s.trailing)
+    )
+    return rpc_error(_CODES.get(s.code, grpc.StatusCode.UNKNOWN), s.message, trailing)
+
+
+class StreamCall:
+    """One request on a worker's stream, as a Generate call's surface. If the worker turns
+    out to have no GenerateStream (an older worker), the request goes on as a Generate call."""
+
+    __slots__ = ("_stream", "_items", "_waiter", "_deadline", "_done", "_unary", "request")
+
+    def __init__(self, stream: WorkerStream, request, timeout: float | None):
+        self._stream, self.request = stream, request
+        self._items: deque = deque()  # GenerateResponses, or the AioRpcError that ends it
+        self._waiter: asyncio.Future | None = None
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._done = False
+        self._unary = None  # the Generate call it became
+
+    def _put(self, item) -> None:
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _left(self) -> float | None:
+        return None if self._deadline is None else self._deadline - time.monotonic()
+
+    async def _next(self):
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            if self._deadline is None:
+                await self._waiter
+                continue
+            try:
+                await asyncio.wait_for(self._waiter, self._left())
+            except TimeoutError:
+                self.cancel()
+                raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        return self._items.popleft()
+
+    async def read(self):
+        if self._unary is not None:
+            return await self._unary.read()
+        if self._done:
+            return grpc.aio.EOF
+        item = await self._next()
+        if isinstance(item, grpc.aio.AioRpcError):
+            self._done = True
+            if self._stream.unimplemented:
+                self._unary = self._stream.fallback(self.request, timeout=self._left())
+                return await self._unary.read()
+            raise item
+        if item.finish_reason:
+            self._done = True
+        return item
+
+    def done(self) -> bool:
+        return self._done if self._unary is None else self._unary.done()
+
+    def cancel(self) -> bool:
+        if self._unary is not None:
+            return self._unary.cancel()
+        if self._done:
+            return False
+        self._done = True
+        self._stream.cancel(self.request.request_id)
+        return True
+
+
+class WorkerStream:
+    """One open GenerateStream to a worker and the requests waiting on it. Messages go out in
+    the order they are sent, written by the sender's own task while the stream is free (no
+    hop through a writer task) and by the write in progress otherwise."""
+
+    def __init__(self, rpc: Callable, fallback: Callable, address: str):
+        self.address, self.fallback = address, fallback
+        self.closed = False
+        self.unimplemented = False  # the worker has no GenerateStream: per-request calls
+        self._waiting: dict[str, StreamCall] = {}
+        self._backlog: deque = deque()  # messages waiting for the write in progress
+        self._writing = False
+        self._flusher: asyncio.Task | None = None
+        self._call = rpc()
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def start(self, request: decode_pb2.GenerateRequest, timeout: float | None) -> StreamCall:
+        call = StreamCall(self, request, timeout)
+        rid = request.request_id
+        self._waiting[rid] = call
+        timeout_ms = 0 if timeout is None else max(int(timeout * 1000), 1)
+        try:
+            await self._write(decode_pb2.StreamRequest(generate=request, timeout_ms=timeout_ms))
+        except asyncio.CancelledError:
+            self.cancel(rid)  # it may have gone out: the worker must not run it for no one
+            raise
+        return call
+
+    def cancel(self, rid: str) -> None:
+        if self._waiting.pop(rid, None) is not None and not self.closed:
+            self._backlog.append(decode_pb2.StreamRequest(cancel=rid))
+            if not self._writing:
+                self._flusher = asyncio.ensure_future(self._write(None))
+
+    async def _write(self, m: decode_pb2.StreamRequest | None) -> None:
+        """Writes m (if any) and then the backlog; queues m if a write is in progress."""
+        if self._writing:
+            if m is not None:
+                self._backlog.append(m)
+            return
+        self._writing = True
+        try:
+            if m is not None:
+                await self._call.write(m)
+            while self._backlog:
+                await self._call.write(self._backlog.popleft())
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
+            self._backlog.clear()  # the stream broke: its reader fails every waiting request
+        finally:
+            self._writing = False
+            if self._backlog and not self.closed:  # the writer was cancelled: a task finishes
+                self._flusher = asyncio.ensure_future(self._write(None))
+
+    async def _read(self) -> None:
+        error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.address} closed its stream")
+        try:
+            while (m := await self._call.read()) is not grpc.aio.EOF:
+                call = self._waiting.get(m.request_id)
+                if call is None:
+                    continue  # cancelled here: what was already on its way
+                if m.HasField("status"):
+                    del self._waiting[m.request_id]
+                    call._put(_status_error(m.status))
+                else:
+                    if m.response.finish_reason:
+                        del self._waiting[m.request_id]
+                    call._put(m.response)
+        except grpc.aio.AioRpcError as e:
+            self.unimplemented = e.code() == grpc.StatusCode.UNIMPLEMENTED
+            error = e
+        except asyncio.CancelledError:
+            error = rpc_error(grpc.StatusCode.CANCELLED, "the router closed the stream")
+            raise
+        finally:
+            self.closed = True
+            # Every request still here fails as its own call would when the worker dies (or,
+            # UNIMPLEMENTED, goes on as a Generate call).
+            for call in self._waiting.values():
+                call._put(error)
+            self._waiting.clear()
+
+    async def close(self) -> None:
+        self._call.cancel()
+        with contextlib.suppress(BaseException):
+            await self._reader
+
+
+class WorkerCalls:
+    """Decode calls to every worker: streams when `streams`, else a Generate call each."""
+
+    def __init__(self, channel: Callable[[str], grpc.aio.Channel], streams: bool = True):
+        self._channel, self._streams_on = channel, streams
+        self._streams: dict[str, WorkerStream] = {}
+        self._unary: dict[str, Callable] = {}  # address -> Generate callable
+
+    def _generate(self, address: str) -> Callable:
+        rpc = self._unary.get(address)
+        if rpc is None:
+            rpc = self._unary[address] = decode_pb2_grpc.DecodeStub(self._channel(address)).Generate
+        return rpc
+
+    async def start(self, address: str, request: decode_pb2.GenerateRequest, timeout: float | None):
+        """A call for `request` on the worker at `address`."""
+        s = self._streams.get(address) if self._streams_on else None
+        if not self._streams_on or (s is not None and s.unimplemented):
+            return self._generate(address)(request, timeout=timeout)
+        if s is None or s.closed:
+            stub = decode_pb2_grpc.DecodeStub(self._channel(address))
+            fallback = self._generate(address)
+            s = self._streams[address] = WorkerStream(stub.GenerateStream, fallback, address)
+        return await s.start(request, timeout)
+
+    async def close(self) -> None:
+        for s in list(self._streams.values()):
+            await s.close()
+        self._streams.clear()
