@@ -70,9 +70,11 @@ class StreamHub:
         return len(idle)
 
     async def serve(
-        self, generate: Callable, requests: AsyncIterator[decode_pb2.StreamRequest]
+        self, generate: Callable, requests: AsyncIterator[decode_pb2.StreamRequest], context
     ) -> AsyncIterator[decode_pb2.StreamResponse]:
         """The stream's responses; `generate(request, context)` is the servicer's Generate."""
+        # At once: the router writes no request before it knows this worker has the method.
+        await context.send_initial_metadata(())
         out: asyncio.Queue = asyncio.Queue()
         tasks: dict[str, asyncio.Task] = {}
         self._streams[out] = tasks

@@ -169,7 +169,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 self.engine.cancel(rid)
 
     async def GenerateStream(self, request_iterator, context):  # noqa: N802
-        async for m in self.streams.serve(self.Generate, request_iterator):
+        async for m in self.streams.serve(self.Generate, request_iterator, context):
             yield m
 
     async def Release(self, request, context):  # noqa: N802

@@ -23,6 +23,7 @@ from megaserve.rpc import decode_pb2, decode_pb2_grpc
 
 log = structlog.get_logger("megaserve.router")
 _EMPTY = grpc.aio.Metadata()
+RETRY_UNIMPLEMENTED_S = 60.0  # how long a worker without GenerateStream gets calls instead
 
 
 def rpc_error(code: grpc.StatusCode, details: str, trailing=_EMPTY) -> grpc.aio.AioRpcError:
@@ -41,65 +42,54 @@ def _status_error(s: decode_pb2.StreamStatus) -> grpc.aio.AioRpcError:
 
 
 class StreamCall:
-    """One request on a worker's stream, as a Generate call's surface. If the worker turns
-    out to have no GenerateStream (an older worker), the request goes on as a Generate call."""
+    """One request on a worker's stream, as a Generate call's surface."""
 
-    __slots__ = ("_stream", "_items", "_waiter", "_deadline", "_done", "_unary", "request")
+    __slots__ = ("_stream", "_items", "_waiter", "_timer", "_done", "request")
 
     def __init__(self, stream: WorkerStream, request, timeout: float | None):
         self._stream, self.request = stream, request
         self._items: deque = deque()  # GenerateResponses, or the AioRpcError that ends it
         self._waiter: asyncio.Future | None = None
-        self._deadline = None if timeout is None else time.monotonic() + timeout
         self._done = False
-        self._unary = None  # the Generate call it became
+        self._timer = None
+        if timeout is not None:  # one timer for the call, as gRPC keeps a call's deadline
+            self._timer = asyncio.get_running_loop().call_later(timeout, self._expire)
 
     def _put(self, item) -> None:
         self._items.append(item)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    def _left(self) -> float | None:
-        return None if self._deadline is None else self._deadline - time.monotonic()
+    def _expire(self) -> None:
+        self._stream.cancel(self.request.request_id)
+        self._put(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
 
-    async def _next(self):
-        while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            if self._deadline is None:
-                await self._waiter
-                continue
-            try:
-                await asyncio.wait_for(self._waiter, self._left())
-            except TimeoutError:
-                self.cancel()
-                raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
-        return self._items.popleft()
+    def _end(self) -> None:
+        self._done = True
+        if self._timer is not None:
+            self._timer.cancel()
 
     async def read(self):
-        if self._unary is not None:
-            return await self._unary.read()
         if self._done:
             return grpc.aio.EOF
-        item = await self._next()
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        item = self._items.popleft()
         if isinstance(item, grpc.aio.AioRpcError):
-            self._done = True
-            if self._stream.unimplemented:
-                self._unary = self._stream.fallback(self.request, timeout=self._left())
-                return await self._unary.read()
+            self._end()
             raise item
         if item.finish_reason:
-            self._done = True
+            self._end()
         return item
 
     def done(self) -> bool:
-        return self._done if self._unary is None else self._unary.done()
+        return self._done
 
     def cancel(self) -> bool:
-        if self._unary is not None:
-            return self._unary.cancel()
         if self._done:
             return False
-        self._done = True
+        self._end()
         self._stream.cancel(self.request.request_id)
         return True
 
@@ -109,10 +99,15 @@ class WorkerStream:
     the order they are sent, written by the sender's own task while the stream is free (no
     hop through a writer task) and by the write in progress otherwise."""
 
-    def __init__(self, rpc: Callable, fallback: Callable, address: str):
-        self.address, self.fallback = address, fallback
+    def __init__(self, rpc: Callable, address: str):
+        self.address = address
         self.closed = False
         self.unimplemented = False  # the worker has no GenerateStream: per-request calls
+        # Set once the worker has answered the stream (its initial metadata) or ended it: no
+        # request is written before, so a worker without the method fails none of them.
+        self.opened = asyncio.Event()
+        self._since = time.monotonic()
+        self.error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"{address} closed its stream")
         self._waiting: dict[str, StreamCall] = {}
         self._backlog: deque = deque()  # messages waiting for the write in progress
         self._writing = False
@@ -120,8 +115,16 @@ class WorkerStream:
         self._call = rpc()
         self._reader = asyncio.ensure_future(self._read())
 
+    def stale(self) -> bool:
+        """A worker that had no GenerateStream is asked again after a while (an upgrade)."""
+        return self.unimplemented and time.monotonic() - self._since > RETRY_UNIMPLEMENTED_S
+
     async def start(self, request: decode_pb2.GenerateRequest, timeout: float | None) -> StreamCall:
+        """Sends request on the (opened) stream; its call fails at once if the stream is over."""
         call = StreamCall(self, request, timeout)
+        if self.closed:
+            call._put(self.error)
+            return call
         rid = request.request_id
         self._waiting[rid] = call
         timeout_ms = 0 if timeout is None else max(int(timeout * 1000), 1)
@@ -158,8 +161,9 @@ class WorkerStream:
                 self._flusher = asyncio.ensure_future(self._write(None))
 
     async def _read(self) -> None:
-        error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.address} closed its stream")
         try:
+            await self._call.initial_metadata()  # the worker sends it at once
+            self.opened.set()
             while (m := await self._call.read()) is not grpc.aio.EOF:
                 call = self._waiting.get(m.request_id)
                 if call is None:
@@ -173,16 +177,21 @@ class WorkerStream:
                     call._put(m.response)
         except grpc.aio.AioRpcError as e:
             self.unimplemented = e.code() == grpc.StatusCode.UNIMPLEMENTED
-            error = e
+            if self.unimplemented:
+                log.info(
+                    "worker has no GenerateStream: a Generate call per request",
+                    address=self.address,
+                )
+            self.error = e
         except asyncio.CancelledError:
-            error = rpc_error(grpc.StatusCode.CANCELLED, "the router closed the stream")
+            self.error = rpc_error(grpc.StatusCode.CANCELLED, "the router closed the stream")
             raise
         finally:
             self.closed = True
-            # Every request still here fails as its own call would when the worker dies (or,
-            # UNIMPLEMENTED, goes on as a Generate call).
+            self.opened.set()
+            # Every request still here fails as its own call would when the worker dies.
             for call in self._waiting.values():
-                call._put(error)
+                call._put(self.error)
             self._waiting.clear()
 
     async def close(self) -> None:
@@ -208,12 +217,13 @@ class WorkerCalls:
     async def start(self, address: str, request: decode_pb2.GenerateRequest, timeout: float | None):
         """A call for `request` on the worker at `address`."""
         s = self._streams.get(address) if self._streams_on else None
-        if not self._streams_on or (s is not None and s.unimplemented):
-            return self._generate(address)(request, timeout=timeout)
-        if s is None or s.closed:
+        if self._streams_on and (s is None or (s.closed and not s.unimplemented) or s.stale()):
             stub = decode_pb2_grpc.DecodeStub(self._channel(address))
-            fallback = self._generate(address)
-            s = self._streams[address] = WorkerStream(stub.GenerateStream, fallback, address)
+            s = self._streams[address] = WorkerStream(stub.GenerateStream, address)
+        if s is not None and not s.opened.is_set():
+            await s.opened.wait()
+        if s is None or s.unimplemented:  # a worker from before GenerateStream
+            return self._generate(address)(request, timeout=timeout)
         return await s.start(request, timeout)
 
     async def close(self) -> None:

@@ -67,7 +67,7 @@ class ScriptedDecode(decode_pb2_grpc.DecodeServicer):
             self.live.pop(req.request_id, None)
 
     async def GenerateStream(self, requests, ctx):  # the router's path: its stream
-        async for m in self.streams.serve(self.Generate, requests):
+        async for m in self.streams.serve(self.Generate, requests, ctx):
             yield m
 
 

@@ -30,7 +30,7 @@ class InstantDecode(decode_pb2_grpc.DecodeServicer):
             )
 
     async def GenerateStream(self, request_iterator, context):  # noqa: N802
-        async for m in self.streams.serve(self.Generate, request_iterator):
+        async for m in self.streams.serve(self.Generate, request_iterator, context):
             yield m
 
 
