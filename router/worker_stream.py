@@ -96,8 +96,7 @@ class StreamCall:
 
 class WorkerStream:
     """One open GenerateStream to a worker and the requests waiting on it. Messages go out in
-    the order they are sent, written by the sender's own task while the stream is free (no
-    hop through a writer task) and by the write in progress otherwise."""
+    the order they are sent, by one writer task while there are any."""
 
     def __init__(self, rpc: Callable, address: str):
         self.address = address
@@ -109,9 +108,9 @@ class WorkerStream:
         self._since = time.monotonic()
         self.error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"{address} closed its stream")
         self._waiting: dict[str, StreamCall] = {}
-        self._backlog: deque = deque()  # messages waiting for the write in progress
+        self._backlog: deque = deque()  # messages not yet written, in order
         self._writing = False
-        self._flusher: asyncio.Task | None = None
+        self._writer: asyncio.Task | None = None
         self._call = rpc()
         self._reader = asyncio.ensure_future(self._read())
 
@@ -119,46 +118,38 @@ class WorkerStream:
         """A worker that had no GenerateStream is asked again after a while (an upgrade)."""
         return self.unimplemented and time.monotonic() - self._since > RETRY_UNIMPLEMENTED_S
 
-    async def start(self, request: decode_pb2.GenerateRequest, timeout: float | None) -> StreamCall:
+    def start(self, request: decode_pb2.GenerateRequest, timeout: float | None) -> StreamCall:
         """Sends request on the (opened) stream; its call fails at once if the stream is over."""
         call = StreamCall(self, request, timeout)
         if self.closed:
             call._put(self.error)
             return call
-        rid = request.request_id
-        self._waiting[rid] = call
+        self._waiting[request.request_id] = call
         timeout_ms = 0 if timeout is None else max(int(timeout * 1000), 1)
-        try:
-            await self._write(decode_pb2.StreamRequest(generate=request, timeout_ms=timeout_ms))
-        except asyncio.CancelledError:
-            self.cancel(rid)  # it may have gone out: the worker must not run it for no one
-            raise
+        self._send(decode_pb2.StreamRequest(generate=request, timeout_ms=timeout_ms))
         return call
 
     def cancel(self, rid: str) -> None:
         if self._waiting.pop(rid, None) is not None and not self.closed:
-            self._backlog.append(decode_pb2.StreamRequest(cancel=rid))
-            if not self._writing:
-                self._flusher = asyncio.ensure_future(self._write(None))
+            self._send(decode_pb2.StreamRequest(cancel=rid))
 
-    async def _write(self, m: decode_pb2.StreamRequest | None) -> None:
-        """Writes m (if any) and then the backlog; queues m if a write is in progress."""
-        if self._writing:
-            if m is not None:
-                self._backlog.append(m)
-            return
-        self._writing = True
+    def _send(self, m: decode_pb2.StreamRequest) -> None:
+        self._backlog.append(m)
+        if not self._writing:
+            self._writing = True
+            self._writer = asyncio.get_running_loop().create_task(self._flush())
+
+    async def _flush(self) -> None:
+        """Writes the backlog in order. A task of its own, never a request's: a request
+        cancelled in the middle of a write would leave gRPC's send in flight, and the next
+        write on the stream would then fail it (and every request on it)."""
         try:
-            if m is not None:
-                await self._call.write(m)
             while self._backlog:
                 await self._call.write(self._backlog.popleft())
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
             self._backlog.clear()  # the stream broke: its reader fails every waiting request
         finally:
             self._writing = False
-            if self._backlog and not self.closed:  # the writer was cancelled: a task finishes
-                self._flusher = asyncio.ensure_future(self._write(None))
 
     async def _read(self) -> None:
         try:
@@ -224,7 +215,7 @@ class WorkerCalls:
             await s.opened.wait()
         if s is None or s.unimplemented:  # a worker from before GenerateStream
             return self._generate(address)(request, timeout=timeout)
-        return await s.start(request, timeout)
+        return s.start(request, timeout)
 
     async def close(self) -> None:
         for s in list(self._streams.values()):
