@@ -212,7 +212,13 @@ class WorkerCalls:
             stub = decode_pb2_grpc.DecodeStub(self._channel(address))
             s = self._streams[address] = WorkerStream(stub.GenerateStream, address)
         if s is not None and not s.opened.is_set():
-            await s.opened.wait()
+            try:
+                async with asyncio.timeout(timeout):  # a worker that never answers the stream
+                    await s.opened.wait()
+            except TimeoutError:
+                call = StreamCall(s, request, None)
+                call._put(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+                return call
         if s is None or s.unimplemented:  # a worker from before GenerateStream
             return self._generate(address)(request, timeout=timeout)
         return s.start(request, timeout)

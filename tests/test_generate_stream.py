@@ -14,7 +14,7 @@ from decode_service.engine import DecodeEngine, EngineConfig
 from decode_service.scheduler import SchedulerConfig
 from decode_service.server import DecodeServicer
 from decode_service.server import create_server as create_decode
-from megaserve.rpc import decode_pb2
+from megaserve.rpc import decode_pb2, decode_pb2_grpc
 from megaserve.server_thread import ServerThread
 from megaserve.status import reason_of, retry_after_ms_of
 from router.worker_stream import WorkerCalls
@@ -279,3 +279,36 @@ def test_a_draining_worker_ends_its_idle_streams(workers):
 
 async def _close_idle(servicer) -> int:
     return servicer.streams.close_idle()
+
+
+class _Silent(decode_pb2_grpc.DecodeServicer):
+    """A worker that takes the stream and never answers it (hung)."""
+
+    async def GenerateStream(self, requests, context):  # noqa: N802
+        await asyncio.Event().wait()
+        yield decode_pb2.StreamResponse()
+
+
+async def _silent_worker():
+    server = grpc.aio.server()
+    decode_pb2_grpc.add_DecodeServicer_to_server(_Silent(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
+
+
+def test_a_deadline_holds_while_the_worker_never_answers_the_stream():
+    servers = ServerThread(_silent_worker)
+    (addr,) = servers.addresses
+
+    async def fn(streamed, per_call):
+        t0 = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await _tokens(streamed, addr, _req("hung", [1, 2]), timeout=0.3)
+        return ei.value, time.monotonic() - t0
+
+    try:
+        e, waited = _run(fn)
+    finally:
+        servers.stop()
+    assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and 0.25 < waited < 5
