@@ -25,10 +25,9 @@ from megaserve.security import (
 from router.config import RouterConfig
 from router.server import create_server
 from router.state import ClusterState
+from router.workers import WORKER_CHANNEL_OPTIONS
 
 log = structlog.get_logger("megaserve.router")
-# The options of the Dispatcher's default (plaintext) worker channels.
-WORKER_CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20)]
 
 
 def add_arguments(p) -> None:

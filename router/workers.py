@@ -25,6 +25,16 @@ WORKER_FAILED_CODES = {
 }
 
 
+# Options of the router's channels to workers. Sending: a long prompt's ids. Receiving: a
+# first response that carries a long prompt's log-probabilities (~155 bytes a token at
+# top-20: 4 MiB, gRPC's default, is ~26k tokens); one response over the limit would end the
+# worker's whole GenerateStream, every request on it.
+WORKER_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", 256 << 20),
+]
+
+
 class WorkerFailed(Exception):
     """A worker failed this attempt (it died, or its path did): place the request elsewhere."""
 
@@ -64,9 +74,7 @@ class WorkerClients:
 
     def __init__(self, channel_factory: Callable[[str], grpc.aio.Channel] | None = None):
         self._factory = channel_factory or (
-            lambda addr: grpc.aio.insecure_channel(
-                addr, options=[("grpc.max_send_message_length", 64 << 20)]
-            )
+            lambda addr: grpc.aio.insecure_channel(addr, options=WORKER_CHANNEL_OPTIONS)
         )
         self._channels: dict[str, grpc.aio.Channel] = {}
 

@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from decode_service.engine import DecodeEngine, EngineConfig
+from decode_service.generate_stream import StreamHub
 from decode_service.scheduler import SchedulerConfig
 from decode_service.server import DecodeServicer
 from decode_service.server import create_server as create_decode
@@ -312,3 +313,54 @@ def test_a_deadline_holds_while_the_worker_never_answers_the_stream():
     finally:
         servers.stop()
     assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and 0.25 < waited < 5
+
+
+class _LongPromptScores(decode_pb2_grpc.DecodeServicer):
+    """A worker whose first response scores a long prompt: over gRPC's 4 MiB default."""
+
+    def __init__(self):
+        self.streams = StreamHub()
+
+    async def Generate(self, request, context):  # noqa: N802
+        top = list(range(20))
+        scores = [
+            decode_pb2.TokenLogprobs(
+                token_id=i, logprob=-1.5, top_token_ids=top, top_logprobs=[-2.5] * 20
+            )
+            for i in range(40_000)
+        ]
+        yield decode_pb2.GenerateResponse(
+            token_ids=[1], finish_reason=decode_pb2.FINISH_REASON_LENGTH, prompt_logprobs=scores
+        )
+
+    async def GenerateStream(self, requests, context):  # noqa: N802
+        async for m in self.streams.serve(self.Generate, requests, context):
+            yield m
+
+
+async def _scoring_worker():
+    server = grpc.aio.server()
+    decode_pb2_grpc.add_DecodeServicer_to_server(_LongPromptScores(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
+
+
+def test_a_first_response_over_four_mib_does_not_end_the_stream():
+    servers = ServerThread(_scoring_worker)
+    (addr,) = servers.addresses
+
+    async def fn(streamed, per_call):
+        sizes = []
+        for rid in ("a", "b"):  # the second on the same stream
+            call = await streamed.start(addr, _req(rid, [1, 2], 1), None)
+            r = await call.read()
+            sizes.append(r.ByteSize())
+        assert len(streamed._streams) == 1 and not streamed._streams[addr].closed
+        return sizes
+
+    try:
+        sizes = _run(fn)
+    finally:
+        servers.stop()
+    assert min(sizes) > 4 << 20, sizes
