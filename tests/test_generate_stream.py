@@ -290,16 +290,21 @@ class _Silent(decode_pb2_grpc.DecodeServicer):
         yield decode_pb2.StreamResponse()
 
 
-async def _silent_worker():
-    server = grpc.aio.server()
-    decode_pb2_grpc.add_DecodeServicer_to_server(_Silent(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    return server, port
+def _serving(make_servicer):
+    """A ServerThread factory: a server for one Decode servicer on a free port."""
+
+    async def start():
+        server = grpc.aio.server()
+        decode_pb2_grpc.add_DecodeServicer_to_server(make_servicer(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    return start
 
 
 def test_a_deadline_holds_while_the_worker_never_answers_the_stream():
-    servers = ServerThread(_silent_worker)
+    servers = ServerThread(_serving(_Silent))
     (addr,) = servers.addresses
 
     async def fn(streamed, per_call):
@@ -338,16 +343,8 @@ class _LongPromptScores(decode_pb2_grpc.DecodeServicer):
             yield m
 
 
-async def _scoring_worker():
-    server = grpc.aio.server()
-    decode_pb2_grpc.add_DecodeServicer_to_server(_LongPromptScores(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    return server, port
-
-
 def test_a_first_response_over_four_mib_does_not_end_the_stream():
-    servers = ServerThread(_scoring_worker)
+    servers = ServerThread(_serving(_LongPromptScores))
     (addr,) = servers.addresses
 
     async def fn(streamed, per_call):
