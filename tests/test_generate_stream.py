@@ -17,7 +17,8 @@ from decode_service.server import DecodeServicer
 from decode_service.server import create_server as create_decode
 from megaserve.rpc import decode_pb2, decode_pb2_grpc
 from megaserve.server_thread import ServerThread
-from megaserve.status import reason_of, retry_after_ms_of
+from megaserve.status import Reason, reason_of, retry_after_ms_of
+from router import worker_stream as router_stream
 from router.worker_stream import WorkerCalls
 from router.workers import WORKER_FAILED_CODES, WorkerClients, WorkerFailed, classify
 
@@ -361,3 +362,28 @@ def test_a_first_response_over_four_mib_does_not_end_the_stream():
     finally:
         servers.stop()
     assert min(sizes) > 4 << 20, sizes
+
+
+def test_a_second_live_request_id_on_a_stream_is_already_exists(workers):
+    dec, addr, _, _, _, _ = workers
+
+    async def main():
+        clients = WorkerClients()
+        try:
+            stub = clients.decode(addr)
+            await stub.Reserve(decode_pb2.ReserveRequest(request_id="twice", prompt_token_ids=[1]))
+            call = stub.GenerateStream()
+            for _ in range(2):  # the first waits on its reservation
+                await call.write(decode_pb2.StreamRequest(generate=_req("twice", [1])))
+            m = await call.read()
+            call.cancel()  # the stream's end cancels the first: its reservation goes too
+            return m
+        finally:
+            await clients.close()
+
+    m = asyncio.run(main())
+    assert m.request_id == "twice" and m.HasField("status")
+    e = router_stream._status_error(m.status)
+    assert e.code() == grpc.StatusCode.ALREADY_EXISTS and "'twice'" in e.details()
+    assert reason_of(e) == Reason.DUPLICATE_REQUEST_ID
+    _wait(lambda: dec.reservation("twice") is None, "the stream's end left the reservation")
