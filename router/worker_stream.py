@@ -27,7 +27,12 @@ RETRY_UNIMPLEMENTED_S = 60.0  # how long a worker without GenerateStream gets ca
 
 
 def rpc_error(code: grpc.StatusCode, details: str, trailing=_EMPTY) -> grpc.aio.AioRpcError:
+    """The error a call that ended with this status raises (for failures found here)."""
     return grpc.aio.AioRpcError(code, _EMPTY, trailing, details)
+
+
+def _deadline_exceeded() -> grpc.aio.AioRpcError:
+    return rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")  # as gRPC words it
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
@@ -62,7 +67,7 @@ class StreamCall:
 
     def _expire(self) -> None:
         self._stream.cancel(self.request.request_id)
-        self._put(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+        self._put(_deadline_exceeded())
 
     def _end(self) -> None:
         self._done = True
@@ -110,7 +115,7 @@ class WorkerStream:
         self._waiting: dict[str, StreamCall] = {}
         self._backlog: deque = deque()  # messages not yet written, in order
         self._writing = False
-        self._writer: asyncio.Task | None = None
+        self._writer: asyncio.Task | None = None  # held: the loop keeps only weak references
         self._call = rpc()
         self._reader = asyncio.ensure_future(self._read())
 
@@ -217,7 +222,7 @@ class WorkerCalls:
                     await s.opened.wait()
             except TimeoutError:
                 call = StreamCall(s, request, None)
-                call._put(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+                call._put(_deadline_exceeded())
                 return call
         if s is None or s.unimplemented:  # a worker from before GenerateStream
             return self._generate(address)(request, timeout=timeout)

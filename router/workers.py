@@ -14,6 +14,7 @@ from megaserve.errors import NoCapacity
 from megaserve.rpc import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from megaserve.status import Reason, error_metadata, reason_of
 from router.frontend import RouterError
+from router.worker_stream import rpc_error
 
 # Codes that mean "this worker (or the path to it) failed", not "this request is bad".
 WORKER_FAILED_CODES = {
@@ -199,7 +200,4 @@ async def _streamed(call, on_first_token, reserve) -> prefill_pb2.PrefillRespons
         elif ev.HasField("done"):
             return ev.done
     # A broken prefill worker (the stream ended without its answer): fails as an error would.
-    empty = grpc.aio.Metadata()
-    raise grpc.aio.AioRpcError(
-        grpc.StatusCode.INTERNAL, empty, empty, "PrefillStream ended without a PrefillResponse"
-    )
+    raise rpc_error(grpc.StatusCode.INTERNAL, "PrefillStream ended without a PrefillResponse")
