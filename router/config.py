@@ -43,6 +43,9 @@ class RouterConfig:
     # Decode calls go over one long-lived GenerateStream per worker (per-call gRPC costs paid
     # once); false: one Generate call per request.
     worker_streams: bool = True
+    # A worker absent from the view this long (its heartbeat expired: frozen, partitioned) is
+    # gone: its requests in flight fail over (migrate) instead of waiting on it.
+    worker_gone_s: float = 2.0
     # A Generate whose model has no healthy decode worker waits this long for one (never past
     # its deadline) before UNAVAILABLE.
     no_worker_wait_s: float = 30.0

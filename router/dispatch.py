@@ -31,6 +31,7 @@ from router.policies import RouteRequest, make_policy
 from router.policies.round_robin import RoundRobin
 from router.state import ClusterState, Session, WorkerView
 from router.worker_stream import WorkerCalls
+from router.worker_watch import WorkerWatch
 from router.workers import HandoffFailed, WorkerClients, WorkerFailed, classify, handoff
 
 log = structlog.get_logger("megaserve.router")
@@ -47,6 +48,8 @@ class Dispatcher:
         self.breakers = CircuitBreakers(cfg.circuit_breaker_failures, cfg.circuit_breaker_reset_s)
         self.clients = WorkerClients(channel_factory)
         self.calls = WorkerCalls(self.clients.channel, cfg.worker_streams)
+        self.watch = WorkerWatch(cfg.worker_gone_s, self.calls.fail)
+        state.add_listener(self._view_changed)
         self._background: set[asyncio.Task] = set()
         self.stats = {"migrations": 0, "retries": 0, "disaggregated": 0, "colocated": 0}
 
@@ -61,6 +64,9 @@ class Dispatcher:
         await self.drain()
         await self.calls.close()
         await self.clients.close()
+
+    async def _view_changed(self) -> None:
+        self.watch.update(w.info.address for w in self.state.workers.values())
 
     # -- placement ---------------------------------------------------------------------
     def _candidates(self, role: str, job: Job, exclude: set[str]) -> list[WorkerView]:
@@ -351,11 +357,16 @@ class Dispatcher:
             )
         )
         got = asyncio.ensure_future(firsts.get())
+        gone = self.watch.gone(d.address, p.address)  # a worker that froze mid-hand-off
         try:
-            await asyncio.wait((task, got), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((task, got, gone), return_when=asyncio.FIRST_COMPLETED)
             if got.done():
                 yield got.result()
-            h = await task
+            if not task.done():
+                await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                raise WorkerFailed(d if gone.result() == d.address else p, "gone mid-hand-off")
+            h = task.result()
             costs.lap("worker_call")  # the Reserve and Prefill calls
             # Where a disaggregated request's time went (docs/benchmarks.md, bench serve).
             log.info(
@@ -374,6 +385,7 @@ class Dispatcher:
             raise classify(d if e.at_decode else p, e.error, e.stage) from e
         finally:
             got.cancel()
+            gone.cancel()
             if not task.done():  # the client left after the first token: stop the hand-off
                 task.cancel()
                 self._spawn(_quietly(task))  # (it releases the reservation; drain waits)

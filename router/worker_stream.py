@@ -112,6 +112,7 @@ class WorkerStream:
         self.opened = asyncio.Event()
         self._since = time.monotonic()
         self.error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"{address} closed its stream")
+        self._aborted: grpc.aio.AioRpcError | None = None  # why the router ended it (abort)
         self._waiting: dict[str, StreamCall] = {}
         self._backlog: deque = deque()  # messages not yet written, in order
         self._writing = False
@@ -180,7 +181,9 @@ class WorkerStream:
                 )
             self.error = e
         except asyncio.CancelledError:
-            self.error = rpc_error(grpc.StatusCode.CANCELLED, "the router closed the stream")
+            self.error = self._aborted or rpc_error(
+                grpc.StatusCode.CANCELLED, "the router closed the stream"
+            )
             raise
         finally:
             self.closed = True
@@ -189,6 +192,12 @@ class WorkerStream:
             for call in self._waiting.values():
                 call._put(self.error)
             self._waiting.clear()
+
+    def abort(self, error: grpc.aio.AioRpcError) -> None:
+        """Ends the stream now; every request on it fails with `error` (the worker is gone
+        but nothing closed its connection, so the stream would never end by itself)."""
+        self._aborted = error
+        self._call.cancel()
 
     async def close(self) -> None:
         self._call.cancel()
@@ -227,6 +236,14 @@ class WorkerCalls:
         if s is None or s.unimplemented:  # a worker from before GenerateStream
             return self._generate(address)(request, timeout=timeout)
         return s.start(request, timeout)
+
+    def fail(self, address: str, why: str) -> None:
+        """The worker at `address` is gone: its stream's requests fail with UNAVAILABLE
+        (and move elsewhere); the next request there opens a new stream. (Generate calls to a
+        worker without GenerateStream are not reached: they end at their deadline.)"""
+        s = self._streams.pop(address, None)
+        if s is not None:
+            s.abort(rpc_error(grpc.StatusCode.UNAVAILABLE, why))
 
     async def close(self) -> None:
         for s in list(self._streams.values()):

@@ -1,9 +1,12 @@
 """kill -9 of a decode worker mid-generation: every in-flight request completes through the
-router and its tokens equal an uninterrupted run (greedy and seeded); Redis outages."""
+router and its tokens equal an uninterrupted run (greedy and seeded); the same for a worker
+frozen by SIGSTOP (its connections stay open: the router moves its requests once its
+heartbeat expires), decode and prefill; Redis outages."""
 
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 
@@ -16,6 +19,7 @@ from megaserve.rpc import decode_pb2, decode_pb2_grpc
 from megaserve.sampling_params import SamplingParams
 from megaserve.v1 import generation_pb2 as pb
 from megaserve.v1 import generation_pb2_grpc as pbg
+from megaserve_app.launch import worker_stats
 from tests.redis_server import RedisServer
 from tests.stack import Stack, make_chat_checkpoint, tokens_equal_report, wait_router_view
 
@@ -122,6 +126,75 @@ def test_kill9_decode_worker_mid_generation(stack):
     assert must_move, ("no victim request was mid-run at the kill", before, on_victim)
     assert must_move <= migrated, ("victim requests were not migrated", must_move - migrated)
     assert all(ended_on[r] != victim for r in migrated), (migrated, ended_on)
+
+
+def _frozen(proc):
+    """SIGSTOP proc for the block (its sockets stay open, nothing answers), SIGCONT after."""
+
+    class Frozen:
+        def __enter__(self):
+            proc.p.send_signal(signal.SIGSTOP)
+
+        def __exit__(self, *exc):
+            proc.p.send_signal(signal.SIGCONT)
+
+    return Frozen()
+
+
+def _gone_lines(proc) -> list[dict]:
+    lines = [json.loads(x) for x in proc.lines if x.startswith("{")]
+    return [e for e in lines if e.get("event") == "worker gone; its requests move"]
+
+
+def test_frozen_decode_worker_requests_move(stack):
+    st, addr, ck, _ = stack
+    gen = OfflineGenerator(LoadedModel.load(str(ck), progress=False), page_size=16, max_context=512)
+    cases = [([(5 * i + j) % 300 + 3 for j in range(12 + i)], SamplingParams()) for i in range(4)]
+    cases[1] = (cases[1][0], SamplingParams(temperature=0.9, top_k=50, seed=7))
+    streams = [Stream(addr, p, sp, f"frz-{i}") for i, (p, sp) in enumerate(cases)]
+    for s in streams:
+        s.start()
+    end = time.monotonic() + 300
+    while not all(len(s.tokens) >= 4 for s in streams):
+        assert time.monotonic() < end, [(s.rid, len(s.tokens), s.error) for s in streams]
+        time.sleep(0.01)
+    busy = {w: _running(st.procs[w].address) for w in ("d1", "d2")}
+    victim = max(busy, key=busy.get)
+    assert busy[victim] > 0, busy
+    with _frozen(st.procs[victim]):
+        for s in streams:
+            s.join(timeout=240)
+        assert not [s.rid for s in streams if s.is_alive()], "requests stuck on the frozen worker"
+        gone = _gone_lines(st.procs["r1"])
+    assert [e["address"] for e in gone] == [st.procs[victim].address], gone
+    for s, (prompt, sp) in zip(streams, cases):
+        assert s.error is None, (s.rid, s.error)
+        want = gen.generate(prompt, N_TOKENS, sp, ignore_eos=True).token_ids
+        assert s.tokens == want, (s.rid, tokens_equal_report(s.tokens, want))
+    events = [json.loads(x) for x in st.procs["r1"].lines if x.startswith("{")]
+    moved = [e for e in events if e.get("event") == "migrating"]
+    assert moved and all("left the view" in e["error"] for e in moved), moved
+
+
+def test_frozen_prefill_worker_hand_off_moves(stack):
+    st, addr, ck, _ = stack
+    gen = OfflineGenerator(LoadedModel.load(str(ck), progress=False), page_size=16, max_context=512)
+    prompt = [(3 * j) % 300 + 3 for j in range(80)]  # over disagg_min_uncached_tokens (32)
+    s = Stream(addr, prompt, SamplingParams(), "frz-p")
+    with _frozen(st.procs["p1"]):
+        s.start()  # placed through p1 (still in the view): Reserve on a decode worker, then p1
+        s.join(timeout=240)
+        assert not s.is_alive(), "the request is stuck on the frozen prefill worker"
+        gone = _gone_lines(st.procs["r1"])
+    assert [e["address"] for e in gone] == [st.procs["p1"].address], gone
+    assert s.error is None, s.error
+    assert s.tokens == gen.generate(prompt, N_TOKENS, SamplingParams(), ignore_eos=True).token_ids
+    events = [json.loads(x) for x in st.procs["r1"].lines if x.startswith("{")]
+    retried = [e for e in events if e.get("event") == "retrying"]
+    assert retried and "gone mid-hand-off" in retried[0]["error"], retried
+    # The frozen hand-off's reservation was given back on the decode worker.
+    for w in ("d1", "d2"):
+        assert worker_stats(st.procs[w].address).reserved == 0
 
 
 def test_router_serves_through_a_redis_outage(stack):

@@ -1,0 +1,112 @@
+"""WorkerWatch: a worker out of the view for the grace is gone once (its stream's requests fail
+over, hand-off futures complete); one back within the grace (Redis restarted empty) is not."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from router.worker_stream import WorkerStream, rpc_error
+from router.worker_watch import WorkerWatch
+from tests.conftest import FakeClock
+
+
+def _watch():
+    clock, gone = FakeClock(), []
+    return WorkerWatch(2.0, lambda a, why: gone.append((a, why)), clock), clock, gone
+
+
+def test_absent_past_the_grace_is_gone_once():
+    w, clock, gone = _watch()
+    assert w.update(["a:1", "b:2"]) == []
+    clock.advance(1.5)
+    assert w.update(["b:2"]) == []  # a:1 missing since now
+    clock.advance(1.75)
+    assert w.update(["b:2"]) == []  # 1.75 s of 2
+    clock.advance(0.25)
+    assert w.update(["b:2"]) == ["a:1"]
+    assert [a for a, _ in gone] == ["a:1"] and "heartbeat expired" in gone[0][1]
+    clock.advance(10.0)
+    assert w.update(["b:2"]) == [] and len(gone) == 1  # not gone twice
+
+
+def test_back_within_the_grace_is_not_gone():
+    w, clock, gone = _watch()
+    w.update(["a:1", "b:2"])
+    clock.advance(0.5)
+    assert w.update([]) == []  # Redis restarted empty: nobody registered yet
+    clock.advance(1.5)
+    assert w.update(["a:1", "b:2"]) == []  # both heartbeat again
+    clock.advance(5.0)
+    assert w.update(["a:1", "b:2"]) == [] and gone == []
+    # Gone later, the absence counts from its own start, not the earlier one.
+    w.update(["b:2"])
+    clock.advance(1.0)
+    assert w.update(["b:2"]) == []
+
+
+def test_gone_futures_complete_and_unregister():
+    async def main():
+        w, clock, _ = _watch()
+        w.update(["d:1", "p:2", "x:3"])
+        f = w.gone("d:1", "p:2")
+        other = w.gone("x:3")
+        assert w.waiting == 3
+        w.update(["d:1", "x:3"])
+        clock.advance(2.0)
+        w.update(["d:1", "x:3"])
+        assert f.done() and f.result() == "p:2" and not other.done()
+        await asyncio.sleep(0)  # done callbacks run on the loop
+        assert w.waiting == 1
+        other.cancel()
+        await asyncio.sleep(0)
+        assert w.waiting == 0
+
+    asyncio.run(main())
+
+
+class _Hung:
+    """A stream-stream call whose worker never answers (a frozen process)."""
+
+    def __init__(self):
+        self._cancelled = asyncio.Event()
+
+    async def initial_metadata(self):
+        await self._cancelled.wait()
+        raise asyncio.CancelledError
+
+    async def read(self):
+        await self._cancelled.wait()
+        raise asyncio.CancelledError
+
+    async def write(self, m):
+        pass
+
+    def cancel(self):
+        self._cancelled.set()
+        return True
+
+
+@pytest.mark.parametrize("opened", [False, True])
+def test_abort_fails_the_streams_requests_with_its_reason(opened):
+    """A request waiting on a stream nobody answers fails with UNAVAILABLE and the reason."""
+
+    async def main():
+        from megaserve.rpc import decode_pb2
+
+        s = WorkerStream(_Hung, "w:1")
+        if opened:
+            s.opened.set()
+        call = s.start(decode_pb2.GenerateRequest(request_id="r1"), None)
+        reading = asyncio.ensure_future(call.read())
+        await asyncio.sleep(0.01)
+        assert not reading.done()
+        s.abort(rpc_error(grpc.StatusCode.UNAVAILABLE, "w:1 left"))
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await asyncio.wait_for(reading, 5)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and e.value.details() == "w:1 left"
+        assert s.closed and s.opened.is_set()
+
+    asyncio.run(main())
