@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 
@@ -205,6 +206,34 @@ class WorkerStream:
             await self._reader
 
 
+class UnaryCall:
+    """A Generate call of its own (no stream), which `WorkerCalls.fail` can end with an error:
+    gRPC's cancel alone would raise CancelledError, which reads as the request cancelled."""
+
+    __slots__ = ("_call", "error", "__weakref__")
+
+    def __init__(self, call):
+        self._call, self.error = call, None
+
+    async def read(self):
+        try:
+            return await self._call.read()
+        except asyncio.CancelledError:
+            if self.error is None or asyncio.current_task().cancelling():
+                raise  # the request's own task was cancelled
+            raise self.error from None
+
+    def done(self) -> bool:
+        return self._call.done()
+
+    def cancel(self) -> bool:
+        return self._call.cancel()
+
+    def fail(self, error: grpc.aio.AioRpcError) -> None:
+        self.error = error
+        self._call.cancel()
+
+
 class WorkerCalls:
     """Decode calls to every worker: streams when `streams`, else a Generate call each."""
 
@@ -212,6 +241,8 @@ class WorkerCalls:
         self._channel, self._streams_on = channel, streams
         self._streams: dict[str, WorkerStream] = {}
         self._unary: dict[str, Callable] = {}  # address -> Generate callable
+        # address -> its Generate calls in flight (for fail(); a call ended is dropped)
+        self._live: dict[str, weakref.WeakSet[UnaryCall]] = {}
 
     def _generate(self, address: str) -> Callable:
         rpc = self._unary.get(address)
@@ -234,16 +265,20 @@ class WorkerCalls:
                 call._put(_deadline_exceeded())
                 return call
         if s is None or s.unimplemented:  # a worker from before GenerateStream
-            return self._generate(address)(request, timeout=timeout)
+            call = UnaryCall(self._generate(address)(request, timeout=timeout))
+            self._live.setdefault(address, weakref.WeakSet()).add(call)
+            return call
         return s.start(request, timeout)
 
     def fail(self, address: str, why: str) -> None:
-        """The worker at `address` is gone: its stream's requests fail with UNAVAILABLE
-        (and move elsewhere); the next request there opens a new stream. (Generate calls to a
-        worker without GenerateStream are not reached: they end at their deadline.)"""
+        """The worker at `address` is gone: its requests (on its stream, or Generate calls)
+        fail with UNAVAILABLE and move elsewhere; the next request there opens a new stream."""
+        error = rpc_error(grpc.StatusCode.UNAVAILABLE, why)
         s = self._streams.pop(address, None)
         if s is not None:
-            s.abort(rpc_error(grpc.StatusCode.UNAVAILABLE, why))
+            s.abort(error)
+        for call in list(self._live.pop(address, ())):
+            call.fail(error)
 
     async def close(self) -> None:
         for s in list(self._streams.values()):

@@ -1,5 +1,6 @@
-"""WorkerWatch: a worker out of the view for the grace is gone once (its stream's requests fail
-over, hand-off futures complete); one back within the grace (Redis restarted empty) is not."""
+"""WorkerWatch: a worker out of the view for the grace is gone once (its stream's requests and
+its Generate calls fail over, hand-off futures complete); one back within the grace (Redis
+restarted empty) is not."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import asyncio
 import grpc
 import pytest
 
-from router.worker_stream import WorkerStream, rpc_error
+from megaserve.rpc import decode_pb2, decode_pb2_grpc
+from router.worker_stream import WorkerCalls, WorkerStream, rpc_error
 from router.worker_watch import WorkerWatch
 from tests.conftest import FakeClock
 
@@ -94,8 +96,6 @@ def test_abort_fails_the_streams_requests_with_its_reason(opened):
     """A request waiting on a stream nobody answers fails with UNAVAILABLE and the reason."""
 
     async def main():
-        from megaserve.rpc import decode_pb2
-
         s = WorkerStream(_Hung, "w:1")
         if opened:
             s.opened.set()
@@ -108,5 +108,45 @@ def test_abort_fails_the_streams_requests_with_its_reason(opened):
             await asyncio.wait_for(reading, 5)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and e.value.details() == "w:1 left"
         assert s.closed and s.opened.is_set()
+
+    asyncio.run(main())
+
+
+class _HungDecode(decode_pb2_grpc.DecodeServicer):
+    """A decode worker that takes Generate calls and never answers them."""
+
+    async def Generate(self, request, context):  # noqa: N802
+        await asyncio.Event().wait()
+        yield decode_pb2.GenerateResponse()
+
+
+def test_fail_ends_a_generate_call_with_its_reason_and_a_cancel_stays_a_cancel():
+    """Per-request calls (`worker_streams: false`) to a gone worker end with UNAVAILABLE; a
+    request cancelled by its own task is still a cancel, not a worker failure."""
+
+    async def main():
+        server = grpc.aio.server()
+        decode_pb2_grpc.add_DecodeServicer_to_server(_HungDecode(), server)
+        addr = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        await server.start()
+        channel = grpc.aio.insecure_channel(addr)
+        calls = WorkerCalls(lambda a: channel, streams=False)
+        try:
+            a = await calls.start(addr, decode_pb2.GenerateRequest(request_id="a"), None)
+            b = await calls.start(addr, decode_pb2.GenerateRequest(request_id="b"), None)
+            ra, rb = asyncio.ensure_future(a.read()), asyncio.ensure_future(b.read())
+            await asyncio.sleep(0.2)
+            assert not ra.done() and not rb.done()
+            rb.cancel()  # b's own task is cancelled: CancelledError, as ever
+            with pytest.raises(asyncio.CancelledError):
+                await rb
+            calls.fail(addr, f"worker {addr} left the view")
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await asyncio.wait_for(ra, 5)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert e.value.details() == f"worker {addr} left the view"
+        finally:
+            await channel.close()
+            await server.stop(0)
 
     asyncio.run(main())

@@ -57,8 +57,11 @@ def add_router(bsub) -> None:
     rt.add_argument(
         "--per-request-calls",
         action="store_true",
-        help="overhead: the router's config says worker_streams: false (a Generate call per "
-        "request to the worker, not one GenerateStream per worker)",
+        help="the routers' config says worker_streams: false (a Generate call per request to "
+        "the worker, not one GenerateStream per worker)",
+    )
+    rt.add_argument(
+        "--one-router", action="store_true", help="policies: no kv_aware run with two routers"
     )
     rt.add_argument("--json-out")
     rt.set_defaults(func=cmd_bench_router)
@@ -98,6 +101,8 @@ def cmd_bench_router(a) -> int:
             a.decode_workers,
             a.prefill_workers,
             worker_args,
+            two_routers=not a.one_router,
+            router_config={"worker_streams": "false"} if a.per_request_calls else None,
         )
     if a.overhead_only or not a.skip_overhead:
         out["overhead"] = _overhead(a, worker_args)
