@@ -79,14 +79,9 @@ def _running(addr) -> int:
         return -1
 
 
-def test_kill9_decode_worker_mid_generation(stack):
-    st, addr, ck, _ = stack
-    cases = []
-    for i in range(8):
-        prompt = [(7 * i + j) % 300 + 3 for j in range(20 + 9 * i)]
-        sp = SamplingParams() if i % 2 else SamplingParams(temperature=0.9, top_k=50, seed=100 + i)
-        cases.append((prompt, sp))
-    streams = [Stream(addr, p, sp, f"mig-{i}") for i, (p, sp) in enumerate(cases)]
+def _started(st, addr, cases, tag: str) -> tuple[list[Stream], str]:
+    """The cases' streams, each past its 4th token; and the decode worker running the most."""
+    streams = [Stream(addr, p, sp, f"{tag}-{i}") for i, (p, sp) in enumerate(cases)]
     for s in streams:
         s.start()
     end = time.monotonic() + 300
@@ -96,6 +91,17 @@ def test_kill9_decode_worker_mid_generation(stack):
     busy = {w: _running(st.procs[w].address) for w in ("d1", "d2")}
     victim = max(busy, key=busy.get)
     assert busy[victim] > 0, busy
+    return streams, victim
+
+
+def test_kill9_decode_worker_mid_generation(stack):
+    st, addr, ck, _ = stack
+    cases = []
+    for i in range(8):
+        prompt = [(7 * i + j) % 300 + 3 for j in range(20 + 9 * i)]
+        sp = SamplingParams() if i % 2 else SamplingParams(temperature=0.9, top_k=50, seed=100 + i)
+        cases.append((prompt, sp))
+    streams, victim = _started(st, addr, cases, "mig")
     before = {s.rid: len(s.tokens) for s in streams}  # just before the kill
     st.procs[victim].kill9()
     for s in streams:
@@ -151,16 +157,7 @@ def test_frozen_decode_worker_requests_move(stack):
     gen = OfflineGenerator(LoadedModel.load(str(ck), progress=False), page_size=16, max_context=512)
     cases = [([(5 * i + j) % 300 + 3 for j in range(12 + i)], SamplingParams()) for i in range(4)]
     cases[1] = (cases[1][0], SamplingParams(temperature=0.9, top_k=50, seed=7))
-    streams = [Stream(addr, p, sp, f"frz-{i}") for i, (p, sp) in enumerate(cases)]
-    for s in streams:
-        s.start()
-    end = time.monotonic() + 300
-    while not all(len(s.tokens) >= 4 for s in streams):
-        assert time.monotonic() < end, [(s.rid, len(s.tokens), s.error) for s in streams]
-        time.sleep(0.01)
-    busy = {w: _running(st.procs[w].address) for w in ("d1", "d2")}
-    victim = max(busy, key=busy.get)
-    assert busy[victim] > 0, busy
+    streams, victim = _started(st, addr, cases, "frz")
     with _frozen(st.procs[victim]):
         for s in streams:
             s.join(timeout=240)
