@@ -5,6 +5,7 @@ heartbeat expires), decode and prefill; Redis outages."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import threading
@@ -13,14 +14,13 @@ import time
 import grpc
 import pytest
 
-from megaserve.model import LoadedModel
-from megaserve.offline import OfflineGenerator
 from megaserve.rpc import decode_pb2, decode_pb2_grpc
 from megaserve.sampling_params import SamplingParams
 from megaserve.v1 import generation_pb2 as pb
 from megaserve.v1 import generation_pb2_grpc as pbg
 from megaserve_app.launch import worker_stats
 from tests.redis_server import RedisServer
+from tests.router_stack import offline_reference
 from tests.stack import Stack, make_chat_checkpoint, tokens_equal_report, wait_router_view
 
 N_TOKENS = 400  # long enough that streams are still running when a worker is killed
@@ -106,8 +106,7 @@ def test_kill9_decode_worker_mid_generation(stack):
     st.procs[victim].kill9()
     for s in streams:
         s.join(timeout=240)
-    model = LoadedModel.load(str(ck), progress=False)
-    gen = OfflineGenerator(model, page_size=16, max_context=512)
+    _, gen = offline_reference(ck)
     interrupted = [s for s in streams if before[s.rid] < N_TOKENS]
     assert interrupted, "every request finished before the kill; nothing was tested"
     for s, (prompt, sp) in zip(streams, cases):
@@ -115,7 +114,7 @@ def test_kill9_decode_worker_mid_generation(stack):
         assert s.finish == pb.FINISH_REASON_LENGTH
         want = gen.generate(prompt, N_TOKENS, sp, ignore_eos=True).token_ids
         assert s.tokens == want, (s.rid, tokens_equal_report(s.tokens, want))
-    events = [json.loads(line) for line in st.procs["r1"].lines if line.startswith("{")]
+    events = _events(st.procs["r1"])
     on_victim = {
         e["request_id"].split("#")[0]
         for e in events
@@ -134,27 +133,28 @@ def test_kill9_decode_worker_mid_generation(stack):
     assert all(ended_on[r] != victim for r in migrated), (migrated, ended_on)
 
 
+@contextlib.contextmanager
 def _frozen(proc):
     """SIGSTOP proc for the block (its sockets stay open, nothing answers), SIGCONT after."""
-
-    class Frozen:
-        def __enter__(self):
-            proc.p.send_signal(signal.SIGSTOP)
-
-        def __exit__(self, *exc):
-            proc.p.send_signal(signal.SIGCONT)
-
-    return Frozen()
+    proc.p.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        proc.p.send_signal(signal.SIGCONT)
 
 
-def _gone_lines(proc) -> list[dict]:
-    lines = [json.loads(x) for x in proc.lines if x.startswith("{")]
-    return [e for e in lines if e.get("event") == "worker gone; its requests move"]
+def _events(proc, event: str | None = None) -> list[dict]:
+    """proc's JSON log records (those of `event` only, when given)."""
+    recs = [json.loads(x) for x in proc.lines if x.startswith("{")]
+    return [e for e in recs if event is None or e.get("event") == event]
+
+
+GONE = "worker gone; its requests move"
 
 
 def test_frozen_decode_worker_requests_move(stack):
     st, addr, ck, _ = stack
-    gen = OfflineGenerator(LoadedModel.load(str(ck), progress=False), page_size=16, max_context=512)
+    _, gen = offline_reference(ck)
     cases = [([(5 * i + j) % 300 + 3 for j in range(12 + i)], SamplingParams()) for i in range(4)]
     cases[1] = (cases[1][0], SamplingParams(temperature=0.9, top_k=50, seed=7))
     streams, victim = _started(st, addr, cases, "frz")
@@ -162,32 +162,30 @@ def test_frozen_decode_worker_requests_move(stack):
         for s in streams:
             s.join(timeout=240)
         assert not [s.rid for s in streams if s.is_alive()], "requests stuck on the frozen worker"
-        gone = _gone_lines(st.procs["r1"])
+        gone = _events(st.procs["r1"], GONE)
     assert [e["address"] for e in gone] == [st.procs[victim].address], gone
     for s, (prompt, sp) in zip(streams, cases):
         assert s.error is None, (s.rid, s.error)
         want = gen.generate(prompt, N_TOKENS, sp, ignore_eos=True).token_ids
         assert s.tokens == want, (s.rid, tokens_equal_report(s.tokens, want))
-    events = [json.loads(x) for x in st.procs["r1"].lines if x.startswith("{")]
-    moved = [e for e in events if e.get("event") == "migrating"]
+    moved = _events(st.procs["r1"], "migrating")
     assert moved and all("left the view" in e["error"] for e in moved), moved
 
 
 def test_frozen_prefill_worker_hand_off_moves(stack):
     st, addr, ck, _ = stack
-    gen = OfflineGenerator(LoadedModel.load(str(ck), progress=False), page_size=16, max_context=512)
+    _, gen = offline_reference(ck)
     prompt = [(3 * j) % 300 + 3 for j in range(80)]  # over disagg_min_uncached_tokens (32)
     s = Stream(addr, prompt, SamplingParams(), "frz-p")
     with _frozen(st.procs["p1"]):
         s.start()  # placed through p1 (still in the view): Reserve on a decode worker, then p1
         s.join(timeout=240)
         assert not s.is_alive(), "the request is stuck on the frozen prefill worker"
-        gone = _gone_lines(st.procs["r1"])
+        gone = _events(st.procs["r1"], GONE)
     assert [e["address"] for e in gone] == [st.procs["p1"].address], gone
     assert s.error is None, s.error
     assert s.tokens == gen.generate(prompt, N_TOKENS, SamplingParams(), ignore_eos=True).token_ids
-    events = [json.loads(x) for x in st.procs["r1"].lines if x.startswith("{")]
-    retried = [e for e in events if e.get("event") == "retrying"]
+    retried = _events(st.procs["r1"], "retrying")
     assert retried and "gone mid-hand-off" in retried[0]["error"], retried
     # The frozen hand-off's reservation was given back on the decode worker.
     for w in ("d1", "d2"):
@@ -197,12 +195,8 @@ def test_frozen_prefill_worker_hand_off_moves(stack):
 def test_router_serves_through_a_redis_outage(stack):
     st, addr, ck, rs = stack
     prompt = list(range(3, 40))
-    model = LoadedModel.load(str(ck), progress=False)
-    want = (
-        OfflineGenerator(model, page_size=16, max_context=512)
-        .generate(prompt, 16, SamplingParams(), ignore_eos=True)
-        .token_ids
-    )
+    _, gen = offline_reference(ck)
+    want = gen.generate(prompt, 16, SamplingParams(), ignore_eos=True).token_ids
 
     def ask(rid):
         with grpc.insecure_channel(addr) as ch:
