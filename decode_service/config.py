@@ -9,6 +9,7 @@ from decode_service.engine import EngineConfig
 from decode_service.scheduler import SchedulerConfig
 from megaserve.parallel.distributed import GroupConfig
 from megaserve.security import TLSConfig
+from megaserve.watchdog import StallConfig
 from megaserve.worker_args import (
     add_backend_argument,
     add_common_arguments,
@@ -16,6 +17,7 @@ from megaserve.worker_args import (
     grace_seconds,
     parallel_from_args,
     served_model_name,
+    stall_from_args,
 )
 
 
@@ -40,6 +42,7 @@ class WorkerConfig:
     warm_up: bool = True  # --warm-up all: every program compiled before SERVING
     # JAX_NUM_PROCESSES > 1: one of a multi-host group (process 0 serves, the others follow).
     group: GroupConfig = GroupConfig()
+    stall: StallConfig = StallConfig()  # --stall-s / --stall-exit-s (megaserve/watchdog.py)
 
 
 def add_arguments(p) -> None:
@@ -90,6 +93,7 @@ def config_from_args(a) -> WorkerConfig:
         tls=TLSConfig.from_args(a),
         warm_up=a.warm_up == "all",
         group=group,
+        stall=stall_from_args(a),
         engine=EngineConfig(
             page_size=a.page_size,
             kv_budget_bytes=None if a.kv_budget_mb is None else a.kv_budget_mb * 2**20,

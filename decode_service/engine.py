@@ -35,6 +35,7 @@ from megaserve.runner.batch import TokenBatch
 from megaserve.runner.factory import make_runner
 from megaserve.runner.warm import warm_up
 from megaserve.sampling_params import SamplingArrays
+from megaserve.watchdog import StallWatch
 
 log = structlog.get_logger("megaserve.decode")
 
@@ -101,6 +102,8 @@ class DecodeEngine(Commands, Emission, StepFailures, PrefillStep):
         )
         self.steps = 0
         self.loop_at = time.monotonic()  # the engine thread's last iteration (progress)
+        # Times each iteration; the worker configures it and watches (megaserve/watchdog.py).
+        self.watch = StallWatch()
         self._inbox: queue.Queue = queue.Queue()
         self._cancel: set[str] = set()
         self._lock = threading.Lock()
@@ -282,7 +285,8 @@ class DecodeEngine(Commands, Emission, StepFailures, PrefillStep):
         while not self._stop.is_set():
             self.loop_at = time.monotonic()
             try:
-                worked = self.run_once()
+                with self.watch.span():
+                    worked = self.run_once()
             except Exception:  # outside any step (a bug): log it, keep the thread alive
                 log.exception("engine iteration failed")
                 worked = False

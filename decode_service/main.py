@@ -21,6 +21,7 @@ from megaserve.parallel.step_channel import StepChannel
 from megaserve.registration import Heartbeat
 from megaserve.security import TLSConfigError
 from megaserve.state_keys import WorkerInfo
+from megaserve.watchdog import StallConfigError, StallWatch, exit_process
 from megaserve.worker_args import apply_cpu_nice
 
 __all__ = ["add_arguments", "main"]
@@ -37,6 +38,8 @@ async def serve(cfg: WorkerConfig) -> None:
         if cfg.group.multi
         else None
     )
+    # Times the engine's iterations from the start; configured here, watched below.
+    watch = engine.watch = StallWatch(cfg.stall)
     engine.start()
     server, port, health, servicer = await create_server(engine, f"{cfg.host}:{cfg.port}", cfg.tls)
     address = f"{cfg.advertise_host or cfg.host}:{port}"
@@ -63,7 +66,7 @@ async def serve(cfg: WorkerConfig) -> None:
         )
 
     def progressing() -> bool:
-        return leader is None or leader.alive(engine.loop_at)
+        return watch.alive() and (leader is None or leader.alive(engine.loop_at))
 
     hb = (
         Heartbeat(
@@ -72,6 +75,7 @@ async def serve(cfg: WorkerConfig) -> None:
         if cfg.redis_url
         else None
     )
+    watch.start(lambda why: exit_process("engine stuck; exiting", why, lambda: hb and hb.stop()))
     # One parseable line for launchers and tests.
     announce(f"READY decode worker {cfg.worker_id} grpc={address} metrics={metrics_port}")
     log.info("serving", worker_id=cfg.worker_id, address=address, pages=engine.alloc.num_pages)
@@ -94,7 +98,7 @@ async def serve(cfg: WorkerConfig) -> None:
             hb.stop(deregister=True)
         log.info("stopped", worker_id=cfg.worker_id)
 
-    await serve_until_signal(health, stop, drain)
+    await serve_until_signal(health, stop, drain, alive=progressing)
 
 
 def main(a) -> int:
@@ -106,7 +110,7 @@ def main(a) -> int:
     keep_large_buffers()  # KV push messages reuse freed heap memory (megaserve/malloc.py)
     try:
         cfg = config_from_args(a)  # before the model loads: a bad TLS file fails at once
-    except (TLSConfigError, MeshError) as e:
+    except (TLSConfigError, MeshError, StallConfigError) as e:
         print(f"megaserve decode-worker: error: {e}", file=sys.stderr, flush=True)
         return 2
     try:

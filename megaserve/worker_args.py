@@ -82,9 +82,33 @@ def add_common_arguments(p, max_context: int) -> None:
         "beside the others (shorter first tokens, longer gaps between tokens; "
         "megaserve/cpu_turns.py; docs/benchmarks.md, bench serve --cpu-turns)",
     )
+    from megaserve.watchdog import StallConfig
+
+    p.add_argument(
+        "--stall-s",
+        type=grace_seconds,
+        default=StallConfig.stall_s,
+        help="an engine step (a decode iteration, a prefill call) running this long takes "
+        "the worker out of service until it ends: its Redis record is withdrawn, so routers "
+        "move its requests, and its gRPC health says NOT_SERVING (0: never)",
+    )
+    p.add_argument(
+        "--stall-exit-s",
+        type=grace_seconds,
+        default=StallConfig.exit_s,
+        help="an engine step running this long ends the process with status 1, for its "
+        "supervisor to restart (0: never; otherwise at least --stall-s)",
+    )
     from megaserve.security import add_tls_arguments
 
     add_tls_arguments(p)
+
+
+def stall_from_args(a):
+    """--stall-s / --stall-exit-s as a StallConfig (StallConfigError names a bad pair)."""
+    from megaserve.watchdog import StallConfig
+
+    return StallConfig(a.stall_s, a.stall_exit_s)
 
 
 def positive_int(text: str) -> int:

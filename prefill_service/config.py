@@ -6,6 +6,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from megaserve.security import TLSConfig
+from megaserve.watchdog import StallConfig
 from megaserve.worker_args import (
     add_backend_argument,
     add_common_arguments,
@@ -13,6 +14,7 @@ from megaserve.worker_args import (
     grace_seconds,
     parallel_from_args,
     served_model_name,
+    stall_from_args,
 )
 from prefill_service.engine import PrefillConfig
 
@@ -49,6 +51,7 @@ class WorkerConfig:
     advertise_host: str = ""  # host peers dial ("" = host)
     tls: TLSConfig | None = None  # serve TLS; KV pushes to decode workers present this cert
     warm_up: bool = True  # --warm-up all: every program compiled before SERVING
+    stall: StallConfig = StallConfig()  # --stall-s / --stall-exit-s (megaserve/watchdog.py)
 
 
 def add_arguments(p) -> None:
@@ -94,6 +97,7 @@ def config_from_args(a) -> WorkerConfig:
         tls=TLSConfig.from_args(a),
         warm_up=a.warm_up == "all",
         shutdown_grace_s=a.shutdown_grace,
+        stall=stall_from_args(a),
         engine=PrefillConfig(
             page_size=a.page_size,
             kv_budget_bytes=None if a.kv_budget_mb is None else a.kv_budget_mb * 2**20,

@@ -28,6 +28,7 @@ from megaserve.runner.buckets import StepConfig
 from megaserve.runner.factory import make_runner
 from megaserve.runner.warm import warm_up
 from megaserve.sampling_params import SamplingArrays, SamplingParams
+from megaserve.watchdog import StallWatch
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,7 @@ class PrefillEngine:
         self.expired = 0  # prompts dropped at their deadline (queued or between chunks)
         self.clock = time.monotonic  # deadlines are on this clock; tests inject a fake one
         self.turns = cpu_turns(cfg.cpu_turns)  # shared with the other workers on these cores
+        self.watch = StallWatch()  # times each call; the worker configures it and watches
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="prefill-engine", daemon=True)
         self._thread.start()
@@ -207,7 +209,9 @@ class PrefillEngine:
                     break
             if self._active:
                 try:
-                    with self.turns:  # one prefill call and its page reads
+                    # One prefill call and its page reads, timed from the wait for the turn:
+                    # a worker whose turn never comes is as stuck as one whose call hangs.
+                    with self.watch.span(), self.turns:
                         self._step()
                 except Exception as e:  # a failed program fails its batch, not the worker
                     for job in self._active:

@@ -15,6 +15,7 @@ from megaserve.model import LoadedModel, serving_dtype
 from megaserve.registration import Heartbeat
 from megaserve.security import TLSConfigError
 from megaserve.state_keys import WorkerInfo
+from megaserve.watchdog import StallConfigError, StallWatch, exit_process
 from megaserve.worker_args import apply_cpu_nice
 from prefill_service.config import WorkerConfig, add_arguments, config_from_args, prefill_backend
 from prefill_service.engine import PrefillEngine
@@ -34,6 +35,7 @@ async def serve(cfg: WorkerConfig) -> None:
         cfg.checkpoint, dtype, progress=False, on_device=parallel.devices == 1
     )
     engine = PrefillEngine(model, cfg.engine)
+    watch = engine.watch = StallWatch(cfg.stall)  # times the engine's calls; watched below
     if cfg.warm_up:  # before the health service exists: nothing reports SERVING meanwhile
         await asyncio.to_thread(engine.warm_up)
     server, port, health, servicer = await create_server(engine, f"{cfg.host}:{cfg.port}", cfg.tls)
@@ -61,10 +63,13 @@ async def serve(cfg: WorkerConfig) -> None:
         )
 
     hb = (
-        Heartbeat(cfg.redis_url, info, cfg.heartbeat_s, blocks=engine.alloc).start()
+        Heartbeat(
+            cfg.redis_url, info, cfg.heartbeat_s, blocks=engine.alloc, alive=watch.alive
+        ).start()
         if cfg.redis_url
         else None
     )
+    watch.start(lambda why: exit_process("engine stuck; exiting", why, lambda: hb and hb.stop()))
     announce(f"READY prefill worker {cfg.worker_id} grpc={address} metrics={metrics_port}")
     log.info("serving", worker_id=cfg.worker_id, address=address, pages=engine.alloc.num_pages)
 
@@ -75,7 +80,7 @@ async def serve(cfg: WorkerConfig) -> None:
             hb.stop(deregister=True)
         log.info("stopped", worker_id=cfg.worker_id)
 
-    await serve_until_signal(health, stop)
+    await serve_until_signal(health, stop, alive=watch.alive)
 
 
 def main(a) -> int:
@@ -88,7 +93,7 @@ def main(a) -> int:
     try:
         cfg = config_from_args(a)  # before the model loads: a bad TLS file fails at once
         log.info("backend", backend="xla", why=prefill_backend(a.backend)[1])
-    except (TLSConfigError, BackendError, MeshError) as e:
+    except (TLSConfigError, BackendError, MeshError, StallConfigError) as e:
         print(f"megaserve prefill-worker: error: {e}", file=sys.stderr, flush=True)
         return 2
     try:

@@ -66,7 +66,8 @@ class Dispatcher:
         await self.clients.close()
 
     async def _view_changed(self) -> None:
-        self.watch.update(w.info.address for w in self.state.workers.values())
+        for address in self.watch.update(w.info.address for w in self.state.workers.values()):
+            await self.clients.forget(address)  # its requests have moved (calls.fail)
 
     # -- placement ---------------------------------------------------------------------
     def _candidates(self, role: str, job: Job, exclude: set[str]) -> list[WorkerView]:

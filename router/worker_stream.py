@@ -274,6 +274,7 @@ class WorkerCalls:
         """The worker at `address` is gone: its requests (on its stream, or Generate calls)
         fail with UNAVAILABLE and move elsewhere; the next request there opens a new stream."""
         error = rpc_error(grpc.StatusCode.UNAVAILABLE, why)
+        self._unary.pop(address, None)  # its stub's channel is closed next (WorkerClients)
         s = self._streams.pop(address, None)
         if s is not None:
             s.abort(error)

@@ -100,6 +100,13 @@ class WorkerClients:
         except grpc.aio.AioRpcError:
             pass  # NOT_FOUND: already attached, finished or freed; UNAVAILABLE: worker gone
 
+    async def forget(self, address: str) -> None:
+        """Closes the channel to a worker that left the view (a pod replaced under a new
+        address would otherwise keep one reconnecting for ever); one back gets a new one."""
+        ch = self._channels.pop(address, None)
+        if ch is not None:
+            await ch.close()
+
     async def close(self) -> None:
         for ch in self._channels.values():
             await ch.close()

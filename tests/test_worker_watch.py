@@ -1,6 +1,6 @@
 """WorkerWatch: a worker out of the view for the grace is gone once (its stream's requests and
-its Generate calls fail over, hand-off futures complete); one back within the grace (Redis
-restarted empty) is not."""
+its Generate calls fail over, hand-off futures complete, its channel closes); one back within
+the grace (Redis restarted empty) is not."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 from megaserve.rpc import decode_pb2, decode_pb2_grpc
 from router.worker_stream import WorkerCalls, WorkerStream, rpc_error
 from router.worker_watch import WorkerWatch
+from router.workers import WorkerClients
 from tests.conftest import FakeClock
 
 
@@ -147,6 +148,38 @@ def test_fail_ends_a_generate_call_with_its_reason_and_a_cancel_stays_a_cancel()
             assert e.value.details() == f"worker {addr} left the view"
         finally:
             await channel.close()
+            await server.stop(0)
+
+    asyncio.run(main())
+
+
+def test_a_gone_workers_channel_closes_and_one_back_gets_a_new_one():
+    async def main():
+        server = grpc.aio.server()
+        decode_pb2_grpc.add_DecodeServicer_to_server(_HungDecode(), server)
+        addr = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        await server.start()
+        clients = WorkerClients()
+        calls = WorkerCalls(clients.channel, streams=False)
+        try:
+            first = clients.channel(addr)
+            a = await calls.start(addr, decode_pb2.GenerateRequest(request_id="a"), None)
+            ra = asyncio.ensure_future(a.read())
+            await asyncio.sleep(0.2)
+            calls.fail(addr, "gone")  # what the Dispatcher's view listener does, in its order
+            await clients.forget(addr)
+            with pytest.raises(grpc.aio.AioRpcError):
+                await asyncio.wait_for(ra, 5)
+            assert first.get_state() == grpc.ChannelConnectivity.SHUTDOWN
+            b = await calls.start(addr, decode_pb2.GenerateRequest(request_id="b"), None)
+            assert clients.channel(addr) is not first  # b went out on a new channel
+            rb = asyncio.ensure_future(b.read())
+            await asyncio.sleep(0.2)
+            assert not rb.done()  # sent and waiting on the (hung) worker, not refused
+            rb.cancel()
+            await clients.forget("127.0.0.1:1")  # never called: nothing to close
+        finally:
+            await clients.close()
             await server.stop(0)
 
     asyncio.run(main())

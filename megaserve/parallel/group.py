@@ -5,7 +5,6 @@ the same call on the same inputs, so every process reaches the same programs in 
 from __future__ import annotations
 
 import enum
-import os
 import pickle
 import threading
 import time
@@ -20,6 +19,7 @@ import structlog
 from megaserve.parallel.step_channel import StepChannel
 from megaserve.runner.batch import SequenceCache, TokenBatch
 from megaserve.sampling_params import SamplingArrays
+from megaserve.watchdog import StallConfig, StallWatch, exit_process
 
 log = structlog.get_logger("megaserve.group")
 
@@ -117,20 +117,16 @@ class Leader:
         lost: Callable[[], bool],
         tick_s: float = 1.0,
     ):
-        self.channel, self.stall_s, self.exit_s, self.tick_s = channel, stall_s, exit_s, tick_s
+        self.channel, self.tick_s = channel, tick_s
         self.on_fatal, self.lost = on_fatal, lost
+        self.watch = StallWatch(StallConfig(stall_s, exit_s), "group call")
         self._lock = threading.Lock()
-        self._since: float | None = None  # monotonic start of the call in flight
-        self.done_at = time.monotonic()  # when the last call ended
         self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=f, name=f"group-{f.__name__.strip('_')}", daemon=True)
-            for f in (self._tick, self._watch)
-        ]
+        self._ticker = threading.Thread(target=self._tick, name="group-tick", daemon=True)
 
     def start(self) -> Leader:
-        for t in self._threads:
-            t.start()
+        self._ticker.start()
+        self.watch.start(self.fatal)
         return self
 
     def run(self, kind: Call, fn: Callable, *args):
@@ -138,7 +134,10 @@ class Leader:
             return self._run_locked(kind, fn, args)
 
     def _run_locked(self, kind: Call, fn: Callable, args: tuple):
-        self._since = time.monotonic()
+        with self.watch.span():
+            return self._call(kind, fn, args)
+
+    def _call(self, kind: Call, fn: Callable, args: tuple):
         try:
             self._send(kind, encode(args) if args else b"")
             return fn(*args)
@@ -150,9 +149,6 @@ class Leader:
             # failed alike on the followers, which go on and take it.
             self._send(Call.TICK, b"")
             raise
-        finally:
-            self._since = None
-            self.done_at = time.monotonic()
 
     def _send(self, kind: Call, payload: bytes) -> None:
         try:
@@ -160,45 +156,31 @@ class Leader:
         except Exception as e:
             self.fatal(f"{kind.name} broadcast failed: {e!r}")
 
-    def stalled_for(self) -> float:
-        since = self._since
-        return 0.0 if since is None else time.monotonic() - since
-
     def alive(self, loop_at: float) -> bool:
         """Whether the group makes progress: no call stuck past stall_s, and the engine loop
         (which iterates at `loop_at`) or a call moved within it. An idle group ticks."""
-        now = time.monotonic()
-        moved = max(loop_at, self.done_at)
-        return self.stalled_for() < self.stall_s and now - moved < self.stall_s
+        moved = max(loop_at, self.watch.done_at)
+        return self.watch.alive() and time.monotonic() - moved < self.watch.cfg.stall_s
 
     def _tick(self) -> None:
         while not self._stop.wait(self.tick_s / 4):
-            idle = time.monotonic() - self.done_at >= self.tick_s
+            idle = time.monotonic() - self.watch.done_at >= self.tick_s
             if idle and self._lock.acquire(blocking=False):
                 try:
                     self._run_locked(Call.TICK, _nothing, ())
                 finally:
                     self._lock.release()
 
-    def _watch(self) -> None:
-        while not self._stop.wait(0.25):
-            stuck = self.stalled_for()
-            if stuck > self.exit_s:
-                self.fatal(f"a group call has been stuck for {stuck:.1f} s")
-
     def fatal(self, why: str) -> None:
         """Leaves Redis (on_fatal) and exits 1: the router migrates this group's streams when
         they break, and the deployment recreates the group."""
-        log.error("group broken; exiting", why=why)
-        try:
-            self.on_fatal()
-        finally:
-            os._exit(1)
+        exit_process("group broken; exiting", why, self.on_fatal)
 
     def stop(self) -> None:
         """Ends the followers (STOP) once the call in flight, if any, is done."""
         self._stop.set()
-        if self._lock.acquire(timeout=self.exit_s):
+        self.watch.stop()
+        if self._lock.acquire(timeout=self.watch.cfg.exit_s):
             try:
                 self.channel.send(Call.STOP, b"")
             finally:
