@@ -30,7 +30,9 @@ def apply_penalties(
       prompt or output; presence, frequency: f32[B] (0 = off); repetition: f32[B] (1 = off;
       positive logits are divided by it, negative ones multiplied, as transformers does).
     """
-    rep = repetition[:, None]
+    # A penalty under 1e-6 acts as 1e-6: XLA flushes an f32 denormal to 0, and a logit divided
+    # by 0 is inf (NaN probabilities, token 0). At 1e-6 a seen positive logit already wins.
+    rep = jnp.maximum(repetition, 1e-6)[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     c = counts.astype(logits.dtype)
     return logits - presence[:, None] * (c > 0) - frequency[:, None] * c
@@ -45,8 +47,9 @@ def _sample_row(logits, temperature, top_k, top_p, min_p, seed, position):
     keep = jnp.where(top_k > 0, rank < top_k, True)
     vals = jnp.where(keep, vals, -jnp.inf)
     probs = jax.nn.softmax(vals)
-    # top-p keeps the smallest prefix whose mass reaches p (the first token always survives).
-    keep &= (jnp.cumsum(probs) - probs) < top_p
+    # top-p keeps the smallest prefix whose mass reaches p. The first token always survives,
+    # by rank: a denormal top_p (1e-40 passes validation) is flushed to 0, and 0 < 0 fails.
+    keep &= (rank == 0) | ((jnp.cumsum(probs) - probs) < top_p)
     keep &= probs >= min_p * probs[0]
     vals = jnp.where(keep, vals, -jnp.inf)
     # The noise is drawn per token id, not per rank: two near-equal logits whose order flips

@@ -22,6 +22,11 @@ from router.stop_strings import StopStringMatcher
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_REQUEST_ID = 256
+MAX_SESSION_ID = 256
+# A chat message's characters for its size check: its content and role, plus what the
+# template adds around it (ChatML: "<|im_start|>" role "\n" ... "<|im_end|>\n", 24), so a
+# chat of many empty messages is refused before its template is rendered.
+CHAT_MESSAGE_CHARS = 16
 MAX_STOP_TOKEN_IDS = 64
 # Text beyond this is refused before tokenizing (no context is this long; caps the work):
 # CHARS_PER_TOKEN_MAX characters per context token, or MAX_PROMPT_CHARS if no context is known.
@@ -40,6 +45,37 @@ class RouterError(Exception):
 
 def invalid(message: str) -> RouterError:
     return RouterError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def shown(value: str, limit: int = 64) -> str:
+    """A client's string for an error message: repr, cut at `limit` characters with its
+    length (a status message travels in a header: 16 KiB at most, or the call fails)."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value)} characters)"
+
+
+def input_chars(req) -> int:
+    """The size a prompt or chat is checked against (characters; a chat counts each
+    message's template framing too)."""
+    kind = req.WhichOneof("input")
+    if kind == "prompt":
+        return len(req.prompt)
+    if kind == "chat":
+        ms = req.chat.messages
+        return sum(len(m.content) + len(m.role) for m in ms) + CHAT_MESSAGE_CHARS * len(ms)
+    return 0
+
+
+def check_input_size(req, max_context: int | None) -> None:
+    """Refuses text too long for any context before it is tokenized (caps the work):
+    CHARS_PER_TOKEN_MAX characters a context token, MAX_PROMPT_CHARS if no context is known."""
+    limit = CHARS_PER_TOKEN_MAX * max_context if max_context else MAX_PROMPT_CHARS
+    n = input_chars(req)
+    if n > limit:
+        kind = req.WhichOneof("input")
+        framing = " (with its messages' template framing)" if kind == "chat" else ""
+        raise invalid(f"{kind} is {n} characters{framing}; at most {limit} here")
 
 
 @dataclass(frozen=True)
@@ -66,7 +102,7 @@ def resolve_model(name: str, models: dict[str, TokenizerInfo]) -> TokenizerInfo:
         raise invalid(f"model is empty and this router serves {sorted(models)}: name one")
     if name not in models:
         raise RouterError(
-            grpc.StatusCode.NOT_FOUND, f"model {name!r} is not served; known: {sorted(models)}"
+            grpc.StatusCode.NOT_FOUND, f"model {shown(name)} is not served; known: {sorted(models)}"
         )
     return models[name]
 
@@ -77,7 +113,7 @@ def chat_messages(chat: pb.Chat) -> list[dict]:
     out = []
     for i, m in enumerate(chat.messages):
         if m.role not in ROLES:
-            raise invalid(f"chat.messages[{i}].role={m.role!r}: must be one of {ROLES}")
+            raise invalid(f"chat.messages[{i}].role={shown(m.role)}: must be one of {ROLES}")
         out.append({"role": m.role, "content": m.content})
     return out
 
@@ -85,20 +121,15 @@ def chat_messages(chat: pb.Chat) -> list[dict]:
 def prompt_ids(req, model: TokenizerInfo, max_context: int | None = None) -> list[int]:
     """Token ids of the request's input (text, chat or ids)."""
     kind = req.WhichOneof("input")
-    limit = CHARS_PER_TOKEN_MAX * max_context if max_context else MAX_PROMPT_CHARS
     tok = model.tokenizer
     if kind is None:
         raise invalid("no input: set one of prompt, prompt_token_ids, chat")
+    check_input_size(req, max_context)
     if kind == "prompt":
         if not req.prompt:
             raise invalid("prompt is empty")
-        if len(req.prompt) > limit:
-            raise invalid(f"prompt is {len(req.prompt)} characters; at most {limit} here")
         ids = tok.encode(req.prompt)
     elif kind == "chat":
-        total = sum(len(m.content) for m in req.chat.messages)
-        if total > limit:
-            raise invalid(f"chat is {total} characters; at most {limit} here")
         try:
             ids = tok.encode_chat(chat_messages(req.chat))
         except (ValueError, jinja2.TemplateError) as e:  # e.g. roles out of order, no template
@@ -138,6 +169,8 @@ def parse_generate(
     """Validates req; max_context is the smallest context of the model's decode workers."""
     if len(req.request_id) > MAX_REQUEST_ID:
         raise invalid(f"request_id is {len(req.request_id)} chars; at most {MAX_REQUEST_ID}")
+    if len(req.session_id) > MAX_SESSION_ID:
+        raise invalid(f"session_id is {len(req.session_id)} chars; at most {MAX_SESSION_ID}")
     model = resolve_model(req.model, models)
     ids = prompt_ids(req, model, max_context)
     s = sampling(req.sampling)

@@ -10,6 +10,7 @@ import time
 import uuid
 
 import grpc
+import jinja2
 import structlog
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2_grpc
@@ -24,7 +25,15 @@ from router import costs
 from router.config import RouterConfig
 from router.detokenize import IncrementalDetokenizer
 from router.dispatch import Dispatcher
-from router.frontend import RouterError, chat_messages, invalid, parse_generate, resolve_model
+from router.frontend import (
+    RouterError,
+    chat_messages,
+    check_input_size,
+    input_chars,
+    invalid,
+    parse_generate,
+    resolve_model,
+)
 from router.logprobs import public_logprobs, public_prompt_logprobs
 from router.overload import Overloaded
 from router.readiness import Readiness
@@ -84,12 +93,17 @@ INLINE_CHARS = 2048
 
 
 def _long_input(req) -> bool:
-    kind = req.WhichOneof("input")
-    if kind == "prompt":
-        return len(req.prompt) > INLINE_CHARS
-    if kind == "chat":
-        return sum(len(m.content) for m in req.chat.messages) > INLINE_CHARS
-    return False
+    return input_chars(req) > INLINE_CHARS
+
+
+def _tokenize(request, model: TokenizerInfo) -> tuple[list[int], list[str]]:
+    """A Tokenize request's ids and each one's text."""
+    tok = model.tokenizer
+    if request.WhichOneof("input") == "prompt":
+        ids = tok.encode(request.prompt)
+    else:
+        ids = tok.encode_chat(chat_messages(request.chat))
+    return ids, [tok.decode([i]) for i in ids]
 
 
 def _new_request_id() -> str:
@@ -244,7 +258,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             )
         except RouterError as e:
             log.warning("failed", request_id=job.request_id, code=e.code.name, error=e.message)
-            await context.abort(e.code, e.message)
+            if not (context.done() or context.cancelled()):  # not a call its deadline ended
+                await context.abort(e.code, e.message)
         finally:
             cost.lap("dispatch")
             await self.state.release(job.request_id, shared)
@@ -255,18 +270,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
             model = resolve_model(request.model, self.models)
-            kind = request.WhichOneof("input")
-            if kind is None:
+            if request.WhichOneof("input") is None:
                 raise invalid("no input: set prompt or chat")
-            if kind == "prompt":
-                ids = model.tokenizer.encode(request.prompt)
+            check_input_size(request, self.max_context(model.name))  # as Generate's
+            if _long_input(request):  # off the event loop, as Generate's
+                ids, tokens = await asyncio.to_thread(_tokenize, request, model)
             else:
-                ids = model.tokenizer.encode_chat(chat_messages(request.chat))
+                ids, tokens = _tokenize(request, model)
         except RouterError as e:
             await context.abort(e.code, e.message)
-        except ValueError as e:
+        except (ValueError, jinja2.TemplateError) as e:  # e.g. roles out of order, no template
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        tokens = [model.tokenizer.decode([i]) for i in ids]
         return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
 
     async def ListModels(self, request, context):  # noqa: N802

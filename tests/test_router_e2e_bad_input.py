@@ -136,6 +136,28 @@ BAD = {
         grpc.StatusCode.INVALID_ARGUMENT,
         "empty",
     ),
+    "session_id over 256 characters": (
+        {"model": MODEL, **IDS, "session_id": "s" * 300},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "session_id is 300 chars; at most 256",
+    ),
+    # Long values are cut in the message: a status message over 16 KiB fails the call.
+    "a 100k-character model name": (
+        {"model": "m" * 100_000, **IDS},
+        grpc.StatusCode.NOT_FOUND,
+        "... (100000 characters) is not served",
+    ),
+    "a 10k-character role": (  # (at 100k the chat is over the size limit first)
+        {"model": MODEL, "chat": pb.Chat(messages=[pb.ChatMessage(role="r" * 10_000)])},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "... (10000 characters): must be one of",
+    ),
+    # 3000 x (16 framing + 4 "user"): refused before the template renders 3000 messages.
+    "a chat of 3000 empty messages": (
+        {"model": MODEL, "chat": pb.Chat(messages=[pb.ChatMessage(role="user")] * 3000)},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "chat is 60000 characters (with its messages' template framing); at most 16384 here",
+    ),
     "stop token out of range": (
         {"model": MODEL, **IDS, "stopping": pb.StoppingParams(stop_token_ids=[4000])},
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -204,3 +226,21 @@ def test_duplicate_in_flight_request_id(stack, reference):
     assert ids == gen.generate(prompt, 400, SamplingParams(), ignore_eos=True).token_ids
     assert status_of(addr, model=MODEL, request_id="dup-1", **IDS)[0] == grpc.StatusCode.OK
     pools_idle(st)
+
+
+def test_tokenize_refuses_text_longer_than_any_context(stack):
+    """Tokenize applies Generate's size limit (32 characters a context token, 512 here)."""
+    _, addr, _, _ = stack
+    empty_chat = pb.Chat(messages=[pb.ChatMessage(role="user")] * 3000)
+    with grpc.insecure_channel(addr) as ch:
+        stub = pbg.GenerationStub(ch)
+        for req, needle in (
+            (pb.TokenizeRequest(model=MODEL, prompt="word " * 4000), "prompt is 20000 characters"),
+            (pb.TokenizeRequest(model=MODEL, chat=empty_chat), "chat is 60000 characters"),
+        ):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Tokenize(req, timeout=30)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+            assert f"{needle}" in e.value.details() and "at most 16384" in e.value.details()
+        ok = stub.Tokenize(pb.TokenizeRequest(model=MODEL, prompt="word " * 3000), timeout=30)
+        assert len(ok.token_ids) == len(ok.tokens) > 0  # under the limit, on the thread

@@ -49,6 +49,32 @@ def test_filters():
     np.testing.assert_array_equal(_sample(logits, temperature=1.0, min_p=1.0)[0], logits.argmax(1))
 
 
+@pytest.mark.parametrize("top_p", [1e-30, 1e-38, 1e-40, 1e-45])  # the last three: denormal
+def test_the_tiniest_top_p_keeps_the_best_token(top_p):
+    """A valid top_p that f32 holds as a denormal (flushed to 0 in the program) still keeps
+    the first token: the argmax, not token 0 from an all-masked row."""
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((3, 100)).astype(np.float32)
+    logits[:, 0] = -5.0  # token 0 is never the best here
+    got = _sample(logits, n=4, temperature=1.0, top_p=top_p)
+    np.testing.assert_array_equal(got, np.broadcast_to(logits.argmax(1), got.shape))
+
+
+def test_the_tiniest_repetition_penalty_boosts_seen_tokens_without_nan():
+    """repetition_penalty 1e-45 (valid, denormal in f32): seen positive logits are boosted as
+    by a small penalty (no inf, no NaN), so a seen token wins, not token 0."""
+    from kernels.sampling import apply_penalties
+
+    logits = np.array([[-1.0, 0.5, 3.0, 1.0]], np.float32)
+    seen = np.array([[False, True, False, False]])
+    zeros = np.zeros(1, np.float32)
+    rep = np.array([1e-45], np.float32)
+    got = np.asarray(
+        jax.jit(apply_penalties)(logits, np.zeros((1, 4), np.int32), seen, zeros, zeros, rep)
+    )
+    assert np.isfinite(got).all() and got.argmax() == 1
+
+
 def test_greedy_ties_take_first_index():
     logits = np.zeros((1, 10), np.float32)
     logits[0, [3, 7]] = 5.0
