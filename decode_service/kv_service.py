@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import threading
 import time
 
 import grpc
 import structlog
+from google.protobuf.message import DecodeError
 
 from decode_service.engine import DecodeEngine
 from megaserve.errors import RequestError, ReservationGone
@@ -23,6 +25,18 @@ log = structlog.get_logger("megaserve.kv")
 # How long a refused push's remaining messages are read and dropped before its status goes
 # out: a megaserve sender half-closes at the refusal notice; another peer may send on.
 REFUSE_DRAIN_S = 10.0
+# A pull (jax transfer) blocks its thread in the runtime until the peer's server answers, and
+# one that never answers (an address nothing serves) never returns. So pulls run on daemon
+# threads of their own, at most PULL_THREADS at once: Reserve, Release and the drain (the
+# default executor's) never wait behind them, and an exit does not join them. A push waits
+# PULL_TIMEOUT_S for a chunk's pull (its thread included) before it is refused.
+PULL_THREADS = 4
+PULL_TIMEOUT_S = 30.0
+
+
+def pulls_stuck() -> int:
+    """Pull threads still running: a peer's transfer server that never answered."""
+    return sum(t.name == "kv-pull" and t.is_alive() for t in threading.enumerate())
 
 
 class KVTransferServicer:
@@ -34,6 +48,7 @@ class KVTransferServicer:
         self.geo = PageGeometry.of_pool(engine.pool)
         self.bytes_committed = 0
         self.failures = 0
+        self._pull_slots = asyncio.Semaphore(PULL_THREADS)  # a slot: one pull thread
 
     async def Push(self, request_iterator, context):  # noqa: N802
         """Why this is long: staging overlapped with receiving, and every failure's status
@@ -69,9 +84,17 @@ class KVTransferServicer:
                             Reason.RESERVATION_NOT_FOUND,
                             f"no open reservation {rid!r} (unknown or expired)",
                         )
-                    if res.first_token is not None:
-                        raise TransferError(f"reservation {rid!r} already has its KV")
+                    # Refused without freeing the reservation: it is another push's.
+                    busy = "already has its KV" if res.first_token is not None else None
+                    busy = busy or ("has a push in progress" if res.pushing else None)
+                    if busy:
+                        await refuse(
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            Reason.KV_TRANSFER_INVALID,
+                            f"reservation {rid!r} {busy}",
+                        )
                     imp = KVImport(self.geo, len(res.pages), res.cached_pages, msg.header)
+                    res.pushing = True  # (on the event loop: no other push sees it half-set)
                     continue
                 if trailer is not None:
                     raise TransferError("a message after the trailer")
@@ -83,7 +106,9 @@ class KVTransferServicer:
                     if staging is not None:
                         await staging
                     staging = asyncio.ensure_future(
-                        asyncio.to_thread(self._stage, imp, res, msg.chunk, frame.data, writes)
+                        self._pull(imp, res, msg.chunk, writes)
+                        if msg.chunk.HasField("pull")
+                        else asyncio.to_thread(self._stage, imp, res, msg.chunk, frame.data, writes)
                     )
                     # A failure is retrieved here; the push reports the first one it awaits.
                     staging.add_done_callback(retrieve)
@@ -104,6 +129,11 @@ class KVTransferServicer:
                     f"{'' if trailer else ' and no trailer'}; reservation {rid!r} freed",
                     kv_pulls_started=await pulls_started(),
                 )
+            vocab = self.engine.model.cfg.vocab_size
+            if not 0 <= trailer.first_token < vocab:
+                raise TransferError(
+                    f"trailer.first_token={trailer.first_token} outside [0, {vocab})"
+                )
             for w in writes:  # in order; each True unless the reservation went meanwhile
                 await asyncio.wrap_future(w)
             await asyncio.to_thread(
@@ -122,7 +152,7 @@ class KVTransferServicer:
                 self.metrics.kv_failures.inc()
             log.warning("kv push too late", request_id=rid, error=str(e))
             await refuse(grpc.StatusCode.NOT_FOUND, Reason.RESERVATION_NOT_FOUND, str(e))
-        except (TransferError, RequestError) as e:
+        except (TransferError, RequestError, DecodeError) as e:  # (DecodeError: bad bytes)
             log.warning("kv push refused", request_id=rid, error=str(e))
             await self._fail(
                 rid, refuse, grpc.StatusCode.INVALID_ARGUMENT, Reason.KV_TRANSFER_INVALID, f"{e}"
@@ -173,6 +203,36 @@ class KVTransferServicer:
                 async for _ in request_iterator:
                     pass
         await abort(context, code, reason, message, kv_pulls_started=await pulls_started())
+
+    async def _pull(self, imp: KVImport, res, chunk, writes: list) -> None:
+        """Stages a pulled chunk on a pull thread; refused if it takes PULL_TIMEOUT_S."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def settle(error: BaseException | None) -> None:  # (the loop's thread)
+            self._pull_slots.release()
+            if not done.done():
+                done.set_exception(error) if error else done.set_result(None)
+
+        def run() -> None:
+            error = None
+            try:
+                self._stage(imp, res, chunk, None, writes)
+            except BaseException as e:
+                error = e
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (exit)
+                loop.call_soon_threadsafe(settle, error)
+
+        try:
+            async with asyncio.timeout(PULL_TIMEOUT_S):
+                await self._pull_slots.acquire()
+                threading.Thread(target=run, name="kv-pull", daemon=True).start()
+                await done
+        except TimeoutError:
+            raise TransferError(
+                f"pull of chunk uuid {chunk.pull.uuid} from {chunk.pull.address!r} did not "
+                f"finish in {PULL_TIMEOUT_S:g} s"
+            ) from None
 
     def _stage(self, imp: KVImport, res, chunk, data, writes: list) -> None:
         """Stages one chunk (a worker thread) and queues the blocks it completed for the

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 
 import structlog
@@ -10,6 +11,7 @@ import structlog
 from decode_service.config import WorkerConfig, add_arguments, config_from_args
 from decode_service.engine import wait_idle
 from decode_service.follower import follow_leader
+from decode_service.kv_service import pulls_stuck
 from decode_service.server import create_server
 from decode_service.worker_engine import build_engine
 from megaserve.errors import BackendError, MeshError
@@ -117,6 +119,12 @@ def main(a) -> int:
         if not cfg.group.leader:
             return follow_leader(cfg)
         asyncio.run(serve(cfg))
+        if pulls_stuck():
+            # A thread blocked in the jax transfer runtime aborts the interpreter's teardown
+            # (SIGABRT): the worker stopped cleanly above, so it ends here.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
     # --backend pallas it cannot take; no fit; a mesh the model cannot split into
     except (BackendError, MemoryPlanError, MeshError) as e:
         print(f"megaserve decode-worker: error: {e}", file=sys.stderr, flush=True)

@@ -31,6 +31,7 @@ class Reservation:
     cached_pages: int
     expires: float
     first_token: int | None = None  # set when the imported KV is committed
+    pushing: bool = False  # a KV push into it began (a second one at once is refused)
     waiter: Sequence | None = None  # the Generate call attached to this reservation
 
 

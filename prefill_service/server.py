@@ -122,6 +122,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await abort_for(context, e)
         n_pages = pages_for_tokens(len(prompt), self.engine.cfg.page_size)
         cached = request.cached_pages
+        if cached > n_pages:  # before the header's page count (n_pages - cached) is made
+            await abort_for(context, RequestError(f"cached_pages={cached} outside [0, {n_pages}]"))
         outbox: asyncio.Queue = asyncio.Queue()
         geo = wire.PageGeometry.of_pool(self.engine.pool)
         header = wire.header(request.request_id, geo, cached, n_pages - cached)

@@ -228,6 +228,24 @@ def test_prefill_worker_reasons(tiers):
         Reason.INVALID_REQUEST,
         "999",
     )
+    # More cached pages than the prompt has (a peer's bug): named, before any push opens.
+    _assert(
+        _error(
+            lambda c: prefill(
+                c,
+                prefill_pb2.PrefillRequest(
+                    request_id="x",
+                    prompt_token_ids=[1] * 33,
+                    decode_address=d_addr,
+                    page_size=PAGE,
+                    cached_pages=2**32 - 1,
+                ),
+            )
+        ),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        Reason.INVALID_REQUEST,
+        "cached_pages=4294967295 outside [0, ",
+    )
     # The push into a reservation the decode worker does not have: the hand-off failed at the
     # decode side, and the decode worker's own reason rides along.
     e = _error(

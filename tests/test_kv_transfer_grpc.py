@@ -11,9 +11,9 @@ import pytest
 
 from kernels.kv_cache import KVPool
 from megaserve.kv.pages import pages_for_tokens
-from megaserve.kv.wire import extract_pages, push_messages
+from megaserve.kv.wire import extract_pages, push_messages, trailer
 from megaserve.offline import OfflineGenerator
-from megaserve.rpc import decode_pb2, decode_pb2_grpc, kv_transfer_pb2_grpc
+from megaserve.rpc import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, kv_transfer_pb2_grpc
 from megaserve.runner.batch import TokenBatch
 from megaserve.runner.buckets import StepConfig
 from megaserve.runner.xla import XlaRunner
@@ -105,8 +105,10 @@ def _retype(msgs):
         (lambda m: m[:-2] + m[-1:], grpc.StatusCode.DATA_LOSS, "cells missing"),
         (lambda m: m[:-1], grpc.StatusCode.DATA_LOSS, "no trailer"),
         (lambda m: m[:-1] + [m[1], m[-1]], grpc.StatusCode.INVALID_ARGUMENT, "duplicate chunk"),
+        (lambda m: m[:-1] + [trailer(-1)], grpc.StatusCode.INVALID_ARGUMENT, "first_token=-1"),
+        (lambda m: m[:-1] + [trailer(1 << 30)], grpc.StatusCode.INVALID_ARGUMENT, "outside [0,"),
     ],
-    ids=["checksum", "shape", "dtype", "truncated", "no-trailer", "duplicate"],
+    ids=["checksum", "shape", "dtype", "truncated", "no-trailer", "duplicate", "token", "token2"],
 )
 def test_bad_transfers_are_refused_and_free_pages(worker, tiny_model, mutate, code, match):  # noqa: F811
     engine, addr = worker
@@ -225,3 +227,53 @@ def test_sender_killed_mid_transfer_frees_reservation(worker, tiny_model):  # no
         time.sleep(0.05)
     assert engine.expired_reservations == expired  # freed by the broken stream, not the lease
     _assert_pool_clean(engine)
+
+
+def test_a_second_push_at_once_is_refused_and_the_first_commits(worker, tiny_model):  # noqa: F811
+    """Two pushes into one reservation at the same time: the second is refused (the
+    reservation stays the first's), the first commits and decodes."""
+    engine, addr = worker
+    prompt = list(range(5, 45))
+    first, k, v = _prefill_elsewhere(tiny_model, prompt)
+
+    async def main():
+        async with grpc.aio.insecure_channel(addr) as ch:
+            dec = decode_pb2_grpc.DecodeStub(ch)
+            await dec.Reserve(
+                decode_pb2.ReserveRequest(request_id="twice", prompt_token_ids=prompt)
+            )
+            msgs = list(push_messages("twice", first, 0, k, v, max_chunk_bytes=4096))
+            one = kv_transfer_pb2_grpc.KVTransferStub(ch).Push()
+            await one.write(msgs[0])  # the first push has begun
+            await one.write(msgs[1])
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await kv_transfer_pb2_grpc.KVTransferStub(ch).Push(iter(msgs))
+            for m in msgs[2:]:
+                await one.write(m)
+            await one.done_writing()
+            await one
+            toks = [t async for r in dec.Generate(_req("twice", prompt, 6)) for t in r.token_ids]
+            return e.value, toks
+
+    err, toks = asyncio.run(main())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "reservation 'twice' has a push in progress" in err.details()
+    assert (
+        toks
+        == OfflineGenerator(tiny_model, max_context=128)
+        .generate(prompt, 6, ignore_eos=True)
+        .token_ids
+    )
+    _assert_pool_clean(engine)
+
+
+def test_corrupt_bytes_are_the_senders_fault(worker):  # noqa: F811
+    """A push message that does not parse: INVALID_ARGUMENT (the sender's bytes), not the
+    decode worker's INTERNAL."""
+    _, addr = worker
+    service = kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
+    with grpc.insecure_channel(addr) as ch:
+        raw = ch.stream_unary(f"/{service}/Push", request_serializer=lambda b: b)
+        with pytest.raises(grpc.RpcError) as e:
+            raw(iter([b"\x12\x05\x08\x01"]), timeout=30)  # a chunk of 5 bytes, 2 there
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
