@@ -102,15 +102,22 @@ class StreamHub:
         async def read() -> None:
             try:
                 await read_all()
+                # Half-closed: nothing more will come; the requests running finish first,
+                # as their own Generate calls would.
+                while tasks:
+                    await asyncio.wait(list(tasks.values()))
             finally:
-                out.put_nowait(_END)  # the router closed its side: nothing more will come
+                out.put_nowait(_END)
 
         async def read_all() -> None:
             async for m in requests:
                 if m.HasField("generate"):
                     rid = m.generate.request_id
-                    if rid in tasks:  # as the engine answers a second live request_id
-                        msg = f"request_id {rid!r} is already running on this stream"
+                    if rid in tasks:
+                        # Responses carry only the id: two live requests under one id cannot
+                        # be told apart, so both end, with one status and nothing after it.
+                        tasks.pop(rid).cancel()
+                        msg = f"request_id {rid!r} was already running on this stream; both ended"
                         s = rich_status(code := grpc.StatusCode.ALREADY_EXISTS, DUPLICATE, msg)
                         out.put_nowait(status_response(rid, code, msg, s.trailing_metadata))
                         continue

@@ -80,7 +80,9 @@ class DecodeServicer:
         """Many Generate calls over one long-lived stream (a router's, to this worker): each
         request's messages carry its id, and the per-call costs of gRPC are paid once per
         stream, not once per request. A request behaves as its own Generate call would, its
-        status included; a stream that breaks fails every request still on it.
+        status included; a stream that breaks fails every request still on it. A half-closed
+        stream ends once its requests have. A second request under a live id ends both with
+        one ALREADY_EXISTS status (responses carry only the id); nothing follows a status.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
