@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import grpc
@@ -277,3 +278,65 @@ def test_corrupt_bytes_are_the_senders_fault(worker):  # noqa: F811
         with pytest.raises(grpc.RpcError) as e:
             raw(iter([b"\x12\x05\x08\x01"]), timeout=30)  # a chunk of 5 bytes, 2 there
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+
+
+def test_pulls_that_never_answer_are_refused_and_starve_nothing(worker, tiny_model, monkeypatch):  # noqa: F811
+    """Pull chunks whose transfer server never answers (a blocked stage stands in for the
+    pull: a peer that hangs cannot be made to here): each push is refused with the address
+    named once its pull has waited PULL_TIMEOUT_S, more pushes than pull threads included,
+    its reservation freed; Reserve and Release answer meanwhile."""
+    from decode_service import kv_service
+    from megaserve.kv.wire import PageGeometry, header
+
+    engine, addr = worker
+    hang = threading.Event()
+    stage = kv_service.KVTransferServicer._stage
+
+    def stuck(self, imp, res, chunk, data, writes):
+        if chunk.HasField("pull"):
+            hang.wait()  # as a pull from a server that never answers
+        return stage(self, imp, res, chunk, data, writes)
+
+    monkeypatch.setattr(kv_service.KVTransferServicer, "_stage", stuck)
+    monkeypatch.setattr(kv_service, "PULL_TIMEOUT_S", 1.0)
+    geo = PageGeometry.of_pool(engine.pool)
+    n = kv_service.PULL_THREADS + 2
+
+    async def push(ch, rid):
+        dec = decode_pb2_grpc.DecodeStub(ch)
+        r = await dec.Reserve(decode_pb2.ReserveRequest(request_id=rid, prompt_token_ids=[9] * 20))
+        pages = list(range(r.cached_pages, r.total_pages))
+        chunk = kv_transfer_pb2.KVChunk(
+            layer_end=geo.num_layers,
+            page_index=pages,
+            shape=[2, geo.num_layers, len(pages), geo.page_size, geo.kv_heads, geo.head_dim],
+            pull=kv_transfer_pb2.PullRef(address="127.0.0.1:1", uuid=1),
+        )
+        msgs = [header(rid, geo, r.cached_pages, len(pages)), kv_transfer_pb2.KVPush(chunk=chunk)]
+        try:
+            await kv_transfer_pb2_grpc.KVTransferStub(ch).Push(iter([*msgs, trailer(1)]))
+        except grpc.aio.AioRpcError as e:
+            return e.code(), e.details()
+        return grpc.StatusCode.OK, ""
+
+    async def main():
+        async with grpc.aio.insecure_channel(addr) as ch:
+            pushes = [asyncio.ensure_future(push(ch, f"pull-{i}")) for i in range(n)]
+            await asyncio.sleep(0.3)
+            dec = decode_pb2_grpc.DecodeStub(ch)  # answers while every pull thread is stuck
+            await dec.Reserve(decode_pb2.ReserveRequest(request_id="ok", prompt_token_ids=[1]))
+            await dec.Release(decode_pb2.ReleaseRequest(request_id="ok"), timeout=5)
+            return await asyncio.gather(*pushes)
+
+    try:
+        out = asyncio.run(main())
+    finally:
+        hang.set()  # the stuck threads end (their reservations are gone: nothing written)
+    for code, details in out:
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+        assert "from '127.0.0.1:1' did not finish in 1 s; reservation freed" in details
+    end = time.monotonic() + 30
+    while engine.reservations:
+        assert time.monotonic() < end, "reservations left behind"
+        time.sleep(0.02)
+    _assert_pool_clean(engine)
