@@ -286,15 +286,16 @@ def test_pulls_that_never_answer_are_refused_and_starve_nothing(worker, tiny_mod
     named once its pull has waited PULL_TIMEOUT_S, more pushes than pull threads included,
     its reservation freed; Reserve and Release answer meanwhile."""
     from decode_service import kv_service
-    from megaserve.kv.wire import PageGeometry, header
+    from megaserve.kv.wire import PageGeometry, TransferError, header
 
     engine, addr = worker
     hang = threading.Event()
     stage = kv_service.KVTransferServicer._stage
 
     def stuck(self, imp, res, chunk, data, writes):
-        if chunk.HasField("pull"):
-            hang.wait()  # as a pull from a server that never answers
+        if chunk.HasField("pull"):  # as a pull from a server that never answers; released at
+            hang.wait()  # the end, it must not pull for real (a thread stuck in the jax
+            raise TransferError("released")  # runtime aborts this process's exit)
         return stage(self, imp, res, chunk, data, writes)
 
     monkeypatch.setattr(kv_service.KVTransferServicer, "_stage", stuck)
