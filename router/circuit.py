@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 
@@ -55,6 +55,17 @@ class CircuitBreakers:
         b.failures += 1
         if b.probing or b.failures >= self.threshold:
             b.opened_at, b.probing = self.clock(), False
+
+    def keep_only(self, worker_ids: Iterable[str]) -> None:
+        """Drops the breakers of workers not in worker_ids (those that left the view): a
+        worker's id is new each time it starts, so a breaker opened by a worker that died
+        would otherwise be kept for ever, one per restart."""
+        keep = set(worker_ids)
+        for wid in [w for w in self._b if w not in keep]:
+            del self._b[wid]
+
+    def __len__(self) -> int:
+        return len(self._b)
 
     def is_open(self, worker_id: str) -> bool:
         b = self._b.get(worker_id)

@@ -1,9 +1,7 @@
 """Places one job on workers and streams its tokens: disaggregated or co-located prefill,
-retries before the first token, and migration when a worker fails mid-stream.
-
-A migrated request is re-prefilled as prompt + tokens generated so far on a healthy worker;
-seeded sampling keys on (seed, position), so the continuation equals an uninterrupted run.
-"""
+retries before the first token, and migration when a worker fails mid-stream. A migrated
+request is re-prefilled as prompt + tokens generated so far on a healthy worker; seeded
+sampling keys on (seed, position), so the continuation equals an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -66,7 +64,10 @@ class Dispatcher:
         await self.clients.close()
 
     async def _view_changed(self) -> None:
-        for address in self.watch.update(w.info.address for w in self.state.workers.values()):
+        gone = self.watch.update(w.info.address for w in self.state.workers.values())
+        if gone:  # after the same grace as the channels: a flapping heartbeat keeps its breaker
+            self.breakers.keep_only(self.state.workers)
+        for address in gone:
             await self.clients.forget(address)  # its requests have moved (calls.fail)
 
     # -- placement ---------------------------------------------------------------------

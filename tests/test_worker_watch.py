@@ -1,6 +1,6 @@
 """WorkerWatch: a worker out of the view for the grace is gone once (its stream's requests and
 its Generate calls fail over, hand-off futures complete, its channel closes); one back within
-the grace (Redis restarted empty) is not."""
+the grace (Redis restarted empty) is not. A gone worker's circuit breaker goes with it."""
 
 from __future__ import annotations
 
@@ -10,10 +10,14 @@ import grpc
 import pytest
 
 from megaserve.rpc import decode_pb2, decode_pb2_grpc
+from router.config import RouterConfig
+from router.dispatch import Dispatcher
+from router.state import ClusterState
 from router.worker_stream import WorkerCalls, WorkerStream, rpc_error
 from router.worker_watch import WorkerWatch
 from router.workers import WorkerClients
 from tests.conftest import FakeClock
+from tests.dispatch_helpers import worker_view
 
 
 def _watch():
@@ -181,5 +185,33 @@ def test_a_gone_workers_channel_closes_and_one_back_gets_a_new_one():
         finally:
             await clients.close()
             await server.stop(0)
+
+    asyncio.run(main())
+
+
+def test_a_gone_workers_circuit_breaker_is_dropped_with_it():
+    """Worker ids are new at every start: the breaker of one that died must not stay for ever
+    (one per restart). One back within the grace keeps its breaker (a flapping heartbeat)."""
+
+    async def main():
+        state = ClusterState(None)
+        a, b = worker_view("a", "decode", "127.0.0.1:1"), worker_view("b", "decode", "127.0.0.1:2")
+        state.workers = {"a": a, "b": b}
+        disp = Dispatcher(state, RouterConfig(worker_gone_s=5.0))
+        clock = disp.watch._clock = FakeClock()
+        await disp._view_changed()
+        for wid in ("a", "b"):
+            for _ in range(disp.cfg.circuit_breaker_failures):
+                disp.breakers.failure(wid)
+        state.workers = {"a": a}  # b's heartbeat stops
+        await disp._view_changed()
+        clock.advance(4.0)
+        await disp._view_changed()
+        assert disp.breakers.is_open("b")  # within the grace: it may come back
+        clock.advance(1.0)
+        await disp._view_changed()  # gone
+        assert not disp.breakers.is_open("b") and disp.breakers.is_open("a")
+        assert len(disp.breakers) == 1
+        await disp.close()
 
     asyncio.run(main())
