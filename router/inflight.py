@@ -1,4 +1,4 @@
-"""The router's hot-path Redis commands (the in-flight ids' SET NX PX and DEL, and the
+"""The router's hot-path Redis commands (the in-flight ids' SET NX PX; their DEL and the
 placements it shares, fire-and-forget) on a connection of their own:
 written as they come and answered in order, so concurrent requests share round trips and a
 command costs one write and one read, not a pass through redis-py's pool and retry layers
@@ -143,9 +143,6 @@ class InflightConnection:
     async def set_nx(self, key: str, value: str, px: int) -> bool:
         """SET key value NX PX px: True if the key was free (and is now set)."""
         return await self._send(await self._ready(), "SET", key, value, "NX", "PX", px) == b"+OK"
-
-    async def delete(self, key: str) -> None:
-        await self._send(await self._ready(), "DEL", key)
 
     def fire(self, *commands: tuple) -> bool:
         """Writes `commands` (each a tuple of arguments) with no one waiting for their replies

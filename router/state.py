@@ -384,12 +384,16 @@ class ClusterState:
         return True
 
     async def release(self, request_id: str, shared: bool = True) -> None:
+        """Frees the id. On the pipelined connection the DEL is written and not waited for:
+        the client had the request's last message before this ran, so waiting for Redis
+        would order nothing, and cost a round trip per request (a DEL lost with the
+        connection leaves the key to expire by itself)."""
         self._inflight.discard(request_id)
         if shared and self.redis is not None:
+            if self._ids is not None:
+                self._ids.fire(("DEL", inflight_key(request_id)))
+                return
             try:
-                if self._ids is not None:
-                    await self._ids.delete(inflight_key(request_id))
-                else:
-                    await self.redis.delete(inflight_key(request_id))
+                await self.redis.delete(inflight_key(request_id))
             except (redis.RedisError, OSError):
                 pass  # the key expires by itself

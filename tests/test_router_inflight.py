@@ -28,7 +28,7 @@ from router.state import ClusterState
 from tests.stack import make_chat_checkpoint, wait_router_view
 
 
-def test_set_nx_and_delete(redis_server):
+def test_set_nx_and_a_fired_del(redis_server):
     r = redis.Redis.from_url(redis_server.url)
 
     async def main():
@@ -36,7 +36,7 @@ def test_set_nx_and_delete(redis_server):
         assert await ids.set_nx("k", "r1", 60_000)
         assert not await ids.set_nx("k", "r2", 60_000)  # taken
         assert r.get("k") == b"r1" and 0 < r.pttl("k") <= 60_000
-        await ids.delete("k")
+        assert ids.fire(("DEL", "k"))  # not waited for: the next command on it comes after
         assert await ids.set_nx("k", "r2", 60_000)
         ids.close()
 
@@ -149,9 +149,10 @@ def test_only_client_ids_are_claimed_in_redis(redis_server):
         assert await state.claim("req-made-here", "r1", 30, shared=False)
         assert r.get(inflight_key("req-made-here")) is None
         assert not await state.claim("req-made-here", "r1", 30, shared=False)  # in flight here
-        await state.release("client-id")
+        await state.release("client-id")  # its DEL is not waited for; a claim comes after it
         await state.release("req-made-here", shared=False)
-        assert r.get(inflight_key("client-id")) is None
+        assert await state.claim("client-id", "r2", 30)
+        assert r.get(inflight_key("client-id")) == b"r2"
         assert await state.claim("req-made-here", "r1", 30, shared=False)
         await state.stop()
 
