@@ -11,7 +11,14 @@ import redis
 import structlog
 
 from megaserve.redis_conn import sync_client
-from megaserve.state_keys import WorkerInfo, block_hex, worker_blocks_key, worker_key, workers_set
+from megaserve.state_keys import (
+    BLOCKS_VERSION,
+    WorkerInfo,
+    block_hex,
+    worker_blocks_key,
+    worker_key,
+    workers_set,
+)
 
 log = structlog.get_logger("megaserve.registration")
 
@@ -54,6 +61,8 @@ class Heartbeat:
         self.alive = alive
         self.paused = False
         self._resync_at = 0.0  # monotonic time of the next full block-set rewrite
+        # BLOCKS_VERSION: starts at the time, so a restarted heartbeat never repeats one.
+        self.blocks_version = time.time_ns()
         self.healthy = False
         self.beats = 0
         self._stop = threading.Event()
@@ -70,7 +79,9 @@ class Heartbeat:
         pipe.pexpire(worker_key(w.worker_id), int(self.ttl * 1000))
         pipe.sadd(workers_set(w.role), w.worker_id)
         if self.blocks is not None:
-            self._publish_blocks(pipe, worker_blocks_key(w.worker_id))
+            if self._publish_blocks(pipe, worker_blocks_key(w.worker_id)):
+                self.blocks_version += 1
+            pipe.hset(worker_key(w.worker_id), BLOCKS_VERSION, self.blocks_version)
         try:
             pipe.execute()
         except redis.RedisError:
@@ -78,8 +89,9 @@ class Heartbeat:
             raise
         self.beats += 1
 
-    def _publish_blocks(self, pipe, key: str) -> None:
-        """Adds this worker's block changes since the last beat (or the whole set) to pipe."""
+    def _publish_blocks(self, pipe, key: str) -> bool:
+        """Adds this worker's block changes since the last beat (or the whole set) to pipe;
+        True if that changes the set."""
         events = self.blocks.block_events
         now = time.monotonic()
         full = now >= self._resync_at or len(events) == events.maxlen
@@ -104,6 +116,7 @@ class Heartbeat:
             if added:
                 pipe.sadd(key, *added)
         pipe.pexpire(key, int(self.ttl * 1000))
+        return full or bool(last)
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -23,8 +23,15 @@ def session_key(session_id: str) -> str:
 
 
 def worker_blocks_key(worker_id: str) -> str:
-    """Set of prefix block hashes (hex) cached on a worker; TTL refreshed by the worker."""
+    """Set of prefix block hashes (hex) cached on a worker; TTL refreshed by the worker.
+    Its version is the worker hash's BLOCKS_VERSION field, written with every change."""
     return f"{PREFIX}blocks:{worker_id}"
+
+
+# A worker hash's field: a number that changes, in the same transaction, whenever the
+# worker's block set does. Routers read the set again only when it moved (a set is up to
+# a pool's pages; read whole every refresh, it was most of a router's background CPU).
+BLOCKS_VERSION = "blocks_version"
 
 
 def placed_blocks_key(worker_id: str) -> str:

@@ -27,8 +27,9 @@ from router.frontend import Job, RouterError
 from router.overload import Overloaded, retry_after_of
 from router.policies import RouteRequest, make_policy
 from router.policies.round_robin import RoundRobin
-from router.state import ClusterState, Session, WorkerView
+from router.state import ClusterState, Session
 from router.worker_stream import WorkerCalls
+from router.worker_view import WorkerView
 from router.worker_watch import WorkerWatch
 from router.workers import HandoffFailed, WorkerClients, WorkerFailed, classify, handoff
 
@@ -220,8 +221,7 @@ class Dispatcher:
             for w in self._candidates("prefill", job, failed)
             if w.info.page_size == d.info.page_size
         ]
-        # A worker that failed this request or said it is full is not asked again: the
-        # decode worker can prefill the prompt itself.
+        # One that failed this request or said it is full is not asked again (d can prefill).
         free = [
             w
             for w in pool

@@ -11,138 +11,26 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import redis
 import structlog
 
 from megaserve.futures import retrieve
-from megaserve.kv.block_hash import block_hashes
 from megaserve.redis_conn import async_client
 from megaserve.state_keys import (
-    WorkerInfo,
-    block_hex,
     inflight_key,
     placed_blocks_key,
     session_key,
-    worker_blocks_key,
-    worker_key,
     workers_set,
 )
-from router import costs
+from router import costs, worker_view
 from router.inflight import InflightConnection
+from router.view_read import read_workers
+from router.worker_view import WorkerView
 
 log = structlog.get_logger("megaserve.router.state")
-
-# Blocks a router predicts a worker now holds (it just sent a prompt there) are trusted this
-# long before the worker's own published set must confirm them. Routers share them through
-# Redis with wall-clock expiries: clock skew between router hosts (NTP: milliseconds) only
-# moves that end a little.
-OPTIMISTIC_S = 5.0
-
-
-class _PrefixHexes:
-    """Hex block hashes of recent prompts: placing one request asks for the same prompt's
-    several times (each policy, each worker, the dispatcher), and a long prompt's hashes
-    cost milliseconds. Keyed by the list object (held, so its id stays unique); placement
-    never mutates a prompt list. One attempt's lookups come without an await between them,
-    so a few entries do (and few long prompts are held)."""
-
-    def __init__(self, size: int = 8):
-        self.size = size
-        self._by_id: OrderedDict[tuple[int, int], tuple[list[int], int, list[str]]] = OrderedDict()
-
-    def get(self, prompt: list[int], page_size: int) -> list[str]:
-        key = (id(prompt), page_size)
-        hit = self._by_id.get(key)
-        if hit is not None and hit[0] is prompt and hit[1] == len(prompt):
-            return hit[2]
-        # The decode tier matches prompt[:-1] (the last token's KV comes from the first step).
-        hexes = [block_hex(h) for h in block_hashes(prompt[: len(prompt) - 1], page_size)]
-        self._by_id[key] = (prompt, len(prompt), hexes)
-        if len(self._by_id) > self.size:
-            self._by_id.popitem(last=False)
-        return hexes
-
-
-_prefix_hexes = _PrefixHexes()
-
-
-@dataclass
-class WorkerView:
-    """One worker as the router sees it: its advertised record plus this router's own load."""
-
-    info: WorkerInfo
-    blocks: frozenset[str] = frozenset()  # hex block hashes the worker published
-    optimistic: dict[str, float] = field(default_factory=dict)  # hex -> expiry (monotonic)
-    inflight: int = 0  # requests this router has running there
-    inflight_pages: int = 0  # pages those requests hold (prompt + max output)
-
-    @property
-    def id(self) -> str:
-        return self.info.worker_id
-
-    @property
-    def address(self) -> str:
-        return self.info.address
-
-    @property
-    def load(self) -> int:
-        """Requests running or queued; our own count covers the heartbeat's staleness."""
-        return max(self.info.running + self.info.waiting, self.inflight)
-
-    @property
-    def active_pages(self) -> int:
-        used = self.info.total_pages - self.info.free_pages
-        return max(used, self.inflight_pages)
-
-    @property
-    def kv_usage(self) -> float:
-        return self.active_pages / max(self.info.total_pages, 1)
-
-    @property
-    def cached_blocks(self) -> int:
-        """Blocks the worker holds or is about to (the size of its prefix tree)."""
-        return len(self.blocks) + len(self.optimistic)
-
-    def has_block(self, h: str, now: float) -> bool:
-        return h in self.blocks or self.optimistic.get(h, 0.0) > now
-
-    def cached_prefix_blocks(self, prompt: list[int]) -> int:
-        """How many leading full blocks of prompt this worker holds (what it will not prefill).
-
-        The decode tier matches prompt[:-1] (the last token's KV comes from the first step).
-        """
-        n, now = 0, time.monotonic()
-        for h in _prefix_hexes.get(prompt, self.info.page_size):
-            if not self.has_block(h, now):
-                break
-            n += 1
-        return n
-
-    def expect_blocks(self, prompt: list[int]) -> list[str]:
-        """Records that this worker is about to cache prompt's full blocks; returns those to
-        share: not in its published set, and not expected (here or by a router that shared
-        them) for at least half of OPTIMISTIC_S more. A request's finish re-expects its
-        prompt's blocks: without the second rule every request wrote them to Redis twice."""
-        now = time.monotonic()
-        until, fresh = now + OPTIMISTIC_S, now + OPTIMISTIC_S / 2
-        new = [h for h in _prefix_hexes.get(prompt, self.info.page_size) if h not in self.blocks]
-        share = [h for h in new if self.optimistic.get(h, 0.0) < fresh]
-        for h in new:
-            self.optimistic[h] = until
-        return share
-
-    def merge_placed(self, placed: list, now: float, now_ms: float) -> None:
-        """Adds blocks routers shared (members of placed_blocks_key: (hex, expiry Unix ms))
-        that the worker's own set does not confirm yet."""
-        for h, until_ms in placed:
-            h = h.decode() if isinstance(h, bytes) else h
-            until = now + (until_ms - now_ms) / 1000
-            if h not in self.blocks and until > self.optimistic.get(h, 0.0):
-                self.optimistic[h] = until
 
 
 @dataclass
@@ -242,39 +130,7 @@ class ClusterState:
         if self.redis is None:
             return
         r = self.redis
-        pipe = r.pipeline(transaction=False)
-        for role in ("decode", "prefill"):
-            pipe.smembers(workers_set(role))
-        ids = [
-            (m.decode() if isinstance(m, bytes) else m) for ms in await pipe.execute() for m in ms
-        ]
-        pipe = r.pipeline(transaction=False)
-        now_ms = time.time() * 1000
-        for wid in ids:
-            pipe.hgetall(worker_key(wid))
-            pipe.smembers(worker_blocks_key(wid))
-            pipe.zrangebyscore(placed_blocks_key(wid), now_ms, "+inf", withscores=True)
-        res = await pipe.execute() if ids else []
-        seen, stale = {}, []
-        now = time.monotonic()
-        for i, wid in enumerate(ids):
-            h, blocks, placed = res[3 * i : 3 * i + 3]
-            if not h:  # heartbeat expired: the worker is gone
-                stale.append(wid)
-                continue
-            try:
-                info = WorkerInfo.from_hash(h)
-            except (KeyError, ValueError) as e:
-                log.warning("unreadable worker record", worker_id=wid, error=str(e))
-                continue
-            view = self.workers.get(wid) or WorkerView(info)
-            view.info = info
-            view.blocks = frozenset(b.decode() if isinstance(b, bytes) else b for b in blocks)
-            view.optimistic = {
-                k: t for k, t in view.optimistic.items() if t > now and k not in view.blocks
-            }
-            view.merge_placed(placed, now, now_ms)
-            seen[wid] = view
+        seen, stale = await read_workers(r, self.workers)
         self.workers = seen
         self.refreshes += 1
         await self._notify()  # listeners (readiness) follow the view as it changes
@@ -294,11 +150,11 @@ class ClusterState:
         if not (new and self.share_placements and self.redis is not None):
             return
         key, now_ms = placed_blocks_key(view.id), int(time.time() * 1000)
-        until_ms = now_ms + int(OPTIMISTIC_S * 1000)
+        until_ms = now_ms + int(worker_view.OPTIMISTIC_S * 1000)
         cmds = (
             ("ZADD", key, *itertools.chain.from_iterable((until_ms, h) for h in new)),
             ("ZREMRANGEBYSCORE", key, "-inf", now_ms),
-            ("PEXPIRE", key, 2 * int(OPTIMISTIC_S * 1000)),
+            ("PEXPIRE", key, 2 * int(worker_view.OPTIMISTIC_S * 1000)),
         )
         if self._ids is not None:
             self._ids.fire(*cmds)  # down: this placement is not shared (the next one tries)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from megaserve.rpc import decode_pb2
 from megaserve.state_keys import WorkerInfo
 from router.frontend import Job
-from router.state import WorkerView
+from router.worker_view import WorkerView
 
 
 def worker_view(

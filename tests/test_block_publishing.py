@@ -1,13 +1,23 @@
-"""Workers publish their cached prefix blocks to Redis as pages are stored and evicted."""
+"""Workers publish their cached prefix blocks to Redis as pages are stored and evicted; routers
+read a worker's set again only when its version moved."""
 
 from __future__ import annotations
+
+import asyncio
 
 import redis
 
 from megaserve.kv.allocator import PageAllocator
 from megaserve.kv.block_hash import block_hashes
 from megaserve.registration import Heartbeat
-from megaserve.state_keys import WorkerInfo, block_hex, worker_blocks_key
+from megaserve.state_keys import (
+    BLOCKS_VERSION,
+    WorkerInfo,
+    block_hex,
+    worker_blocks_key,
+    worker_key,
+)
+from router.state import ClusterState
 
 
 def _info():
@@ -61,3 +71,45 @@ def test_redis_down_then_back_resyncs(redis_server):
     hb.beat()  # the failed beat's deltas are gone: this one rewrites the set
     r = redis.Redis.from_url(redis_server.url)
     assert _members(r) == {block_hex(12345)}
+
+
+def test_a_router_reads_a_block_set_again_only_when_it_moved(redis_server):
+    """The worker hash's blocks_version changes with the set, in the same transaction; a
+    router's refresh re-reads the set (SMEMBERS, counted by Redis itself) only then, and
+    every refresh for a worker that writes no version (an older one)."""
+    r = redis.Redis.from_url(redis_server.url)
+    alloc = PageAllocator(5, 4)
+    hb = Heartbeat(redis_server.url, _info, ttl=30, blocks=alloc)
+    hashes = block_hashes(list(range(16)), 4)
+    pages = alloc.allocate(4)
+    for p, h in zip(pages, hashes):
+        alloc.register(p, h)
+    hb.beat()
+    alloc.release(pages)
+
+    async def set_reads(state, refreshes: int) -> int:
+        """SMEMBERS calls of `refreshes` refreshes, less the two worker sets' each."""
+        r.config_resetstat()
+        for _ in range(refreshes):
+            await state.refresh()
+        calls = r.info("commandstats").get("cmdstat_smembers", {}).get("calls", 0)
+        return calls - 2 * refreshes
+
+    async def main():
+        state = ClusterState(redis_server.url)
+        assert await set_reads(state, 1) == 1  # a new worker: read
+        assert state.workers["w1"].blocks == {block_hex(h) for h in hashes}
+        assert await set_reads(state, 5) == 0
+        hb.beat()  # nothing changed: the version stays
+        assert await set_reads(state, 3) == 0
+        fresh = alloc.allocate(2)  # evicts two blocks
+        hb.beat()
+        assert await set_reads(state, 3) == 1
+        assert state.workers["w1"].blocks == {block_hex(h) for h in hashes[2:]}
+        r.hdel(worker_key("w1"), BLOCKS_VERSION)  # a worker that writes no version
+        assert await set_reads(state, 3) == 3
+        alloc.release(fresh)
+        await state.stop()
+
+    asyncio.run(main())
+    hb.stop(deregister=True)

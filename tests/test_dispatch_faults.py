@@ -14,7 +14,8 @@ from megaserve.rpc import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.frontend import Job
-from router.state import ClusterState, WorkerView
+from router.state import ClusterState
+from router.worker_view import WorkerView
 from tests.conftest import FakeClock
 from tests.dispatch_helpers import job, worker_view
 

@@ -26,7 +26,8 @@ from prefill_service.server import create_server as create_prefill
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.frontend import Job
-from router.state import ClusterState, WorkerView
+from router.state import ClusterState
+from router.worker_view import WorkerView
 
 N = 6  # tokens per request
 

@@ -14,7 +14,8 @@ from router.circuit import CircuitBreakers
 from router.config import DEFAULTS_FILE, RouterConfig
 from router.policies import RouteRequest, make_policy
 from router.policies.power_of_two import PowerOfTwo
-from router.state import Session, WorkerView
+from router.state import Session
+from router.worker_view import WorkerView
 from tests.conftest import FakeClock
 
 PS = 16

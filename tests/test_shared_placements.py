@@ -10,7 +10,7 @@ import time
 import redis
 
 from megaserve.state_keys import WorkerInfo, placed_blocks_key, worker_key, workers_set
-from router import state as state_mod
+from router import worker_view as view_mod
 from router.inflight import InflightConnection
 from router.state import ClusterState
 
@@ -58,12 +58,12 @@ def test_a_placement_on_one_router_is_seen_by_another(redis_server):
     assert got == (5, 0)  # on w1 only
     assert len(members) == 5
     now_ms = time.time() * 1000
-    assert all(now_ms < s <= now_ms + state_mod.OPTIMISTIC_S * 1000 + 50 for _, s in members)
-    assert 0 < ttl <= 2 * state_mod.OPTIMISTIC_S * 1000
+    assert all(now_ms < s <= now_ms + view_mod.OPTIMISTIC_S * 1000 + 50 for _, s in members)
+    assert 0 < ttl <= 2 * view_mod.OPTIMISTIC_S * 1000
 
 
 def test_shared_placements_expire_and_are_trimmed(redis_server, monkeypatch):
-    monkeypatch.setattr(state_mod, "OPTIMISTIC_S", 0.3)
+    monkeypatch.setattr(view_mod, "OPTIMISTIC_S", 0.3)
     r = redis.Redis.from_url(redis_server.url)
     _register(r, "w1")
 
@@ -157,7 +157,7 @@ def test_blocks_shared_moments_ago_are_not_written_again(redis_server, monkeypat
         a.expect(w, PROMPT + [1])  # the finish: the same full blocks
         first = len(writes)
         for h in w.optimistic:  # as if half the placement's life had passed
-            w.optimistic[h] -= state_mod.OPTIMISTIC_S / 2 + 0.01
+            w.optimistic[h] -= view_mod.OPTIMISTIC_S / 2 + 0.01
         a.expect(w, PROMPT)
         await a.stop()
         return first, len(writes)

@@ -9,7 +9,8 @@ from typing import Protocol
 import numpy as np
 
 from router.config import RouterConfig
-from router.state import Session, WorkerView
+from router.state import Session
+from router.worker_view import WorkerView
 
 
 @dataclass(frozen=True)

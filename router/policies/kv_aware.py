@@ -19,7 +19,7 @@ from collections import Counter, deque
 
 from router.config import RouterConfig
 from router.policies.base import RouteRequest, not_busy, tie_break
-from router.state import WorkerView
+from router.worker_view import WorkerView
 
 
 class KvAware:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from router.policies.base import RouteRequest
-from router.state import WorkerView
+from router.worker_view import WorkerView
 
 
 class LeastLoaded:

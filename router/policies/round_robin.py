@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 from router.policies.base import RouteRequest
-from router.state import WorkerView
+from router.worker_view import WorkerView
 
 
 class RoundRobin:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from router.config import RouterConfig
 from router.policies.base import Policy, RouteRequest
-from router.state import WorkerView
+from router.worker_view import WorkerView
 
 
 class SessionAffinity:
