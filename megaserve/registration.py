@@ -13,7 +13,9 @@ import structlog
 from megaserve.redis_conn import sync_client
 from megaserve.state_keys import (
     BLOCKS_VERSION,
+    DELTAS_KEPT,
     WorkerInfo,
+    block_deltas_key,
     block_hex,
     worker_blocks_key,
     worker_key,
@@ -79,8 +81,14 @@ class Heartbeat:
         pipe.pexpire(worker_key(w.worker_id), int(self.ttl * 1000))
         pipe.sadd(workers_set(w.role), w.worker_id)
         if self.blocks is not None:
-            if self._publish_blocks(pipe, worker_blocks_key(w.worker_id)):
+            change = self._publish_blocks(pipe, worker_blocks_key(w.worker_id))
+            if change is not None:
                 self.blocks_version += 1
+                deltas, v = block_deltas_key(w.worker_id), self.blocks_version
+                if change:  # routers at the previous version apply it ("": rewritten whole)
+                    pipe.hset(deltas, str(v), change)
+                pipe.hdel(deltas, str(v - DELTAS_KEPT))
+                pipe.pexpire(deltas, int(self.ttl * 1000))
             pipe.hset(worker_key(w.worker_id), BLOCKS_VERSION, self.blocks_version)
         try:
             pipe.execute()
@@ -89,9 +97,10 @@ class Heartbeat:
             raise
         self.beats += 1
 
-    def _publish_blocks(self, pipe, key: str) -> bool:
+    def _publish_blocks(self, pipe, key: str) -> str | None:
         """Adds this worker's block changes since the last beat (or the whole set) to pipe;
-        True if that changes the set."""
+        returns the change as block_deltas_key holds it, "" for the whole set, None for no
+        change."""
         events = self.blocks.block_events
         now = time.monotonic()
         full = now >= self._resync_at or len(events) == events.maxlen
@@ -116,7 +125,9 @@ class Heartbeat:
             if added:
                 pipe.sadd(key, *added)
         pipe.pexpire(key, int(self.ttl * 1000))
-        return full or bool(last)
+        if full:
+            return ""
+        return f"{','.join(added)}|{','.join(removed)}" if last else None
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -152,7 +163,11 @@ class Heartbeat:
         """Deletes this worker's record and block set (best effort: they expire anyway)."""
         try:
             w = self.info()
-            self.client.delete(worker_key(w.worker_id), worker_blocks_key(w.worker_id))
+            self.client.delete(
+                worker_key(w.worker_id),
+                worker_blocks_key(w.worker_id),
+                block_deltas_key(w.worker_id),
+            )
             self.client.srem(workers_set(w.role), w.worker_id)
         except redis.RedisError:
             pass

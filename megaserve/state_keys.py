@@ -28,10 +28,19 @@ def worker_blocks_key(worker_id: str) -> str:
     return f"{PREFIX}blocks:{worker_id}"
 
 
-# A worker hash's field: a number that changes, in the same transaction, whenever the
-# worker's block set does. Routers read the set again only when it moved (a set is up to
-# a pool's pages; read whole every refresh, it was most of a router's background CPU).
+# A worker hash's field: a number that goes up by one, in the same transaction, whenever
+# the worker's block set changes. Routers read the set again only when it moved, and then
+# as the changes since the version they hold when those are kept (a set holds up to a
+# pool's pages; read whole every refresh, it was most of a router's background CPU).
 BLOCKS_VERSION = "blocks_version"
+# Changes kept per worker: 32 heartbeats (about 32 s); a router further behind reads it all.
+DELTAS_KEPT = 32
+
+
+def block_deltas_key(worker_id: str) -> str:
+    """Hash: version -> the block set's change that made it ("added,...|removed,..." hex);
+    no entry for a version that rewrote the set whole. TTL refreshed by the worker."""
+    return f"{PREFIX}blockdeltas:{worker_id}"
 
 
 def placed_blocks_key(worker_id: str) -> str:

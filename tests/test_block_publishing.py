@@ -12,7 +12,9 @@ from megaserve.kv.block_hash import block_hashes
 from megaserve.registration import Heartbeat
 from megaserve.state_keys import (
     BLOCKS_VERSION,
+    DELTAS_KEPT,
     WorkerInfo,
+    block_deltas_key,
     block_hex,
     worker_blocks_key,
     worker_key,
@@ -74,9 +76,11 @@ def test_redis_down_then_back_resyncs(redis_server):
 
 
 def test_a_router_reads_a_block_set_again_only_when_it_moved(redis_server):
-    """The worker hash's blocks_version changes with the set, in the same transaction; a
-    router's refresh re-reads the set (SMEMBERS, counted by Redis itself) only then, and
-    every refresh for a worker that writes no version (an older one)."""
+    """The worker hash's blocks_version goes up with each change of the set, in the same
+    transaction as the change and its delta. A router's refresh reads nothing for a set that
+    did not move, the kept deltas (HMGET) for one that did, and the whole set (SMEMBERS) when
+    it is new, was rewritten, is too far behind, or its worker writes no version (Redis's own
+    command counts)."""
     r = redis.Redis.from_url(redis_server.url)
     alloc = PageAllocator(5, 4)
     hb = Heartbeat(redis_server.url, _info, ttl=30, blocks=alloc)
@@ -87,29 +91,58 @@ def test_a_router_reads_a_block_set_again_only_when_it_moved(redis_server):
     hb.beat()
     alloc.release(pages)
 
-    async def set_reads(state, refreshes: int) -> int:
-        """SMEMBERS calls of `refreshes` refreshes, less the two worker sets' each."""
+    async def reads(state, refreshes: int = 1) -> tuple[int, int]:
+        """(SMEMBERS of block sets, HMGET of deltas) over `refreshes` refreshes."""
         r.config_resetstat()
         for _ in range(refreshes):
             await state.refresh()
-        calls = r.info("commandstats").get("cmdstat_smembers", {}).get("calls", 0)
-        return calls - 2 * refreshes
+        stats = r.info("commandstats")
+        calls = lambda c: stats.get(f"cmdstat_{c}", {}).get("calls", 0)  # noqa: E731
+        return calls("smembers") - 2 * refreshes, calls("hmget")  # (2: the worker sets)
+
+    def published() -> set[str]:
+        return _members(r)
 
     async def main():
         state = ClusterState(redis_server.url)
-        assert await set_reads(state, 1) == 1  # a new worker: read
-        assert state.workers["w1"].blocks == {block_hex(h) for h in hashes}
-        assert await set_reads(state, 5) == 0
+        assert await reads(state) == (1, 0)  # a new worker: read whole
+        assert state.workers["w1"].blocks == published() and len(published()) == 4
+        assert await reads(state, 5) == (0, 0)
         hb.beat()  # nothing changed: the version stays
-        assert await set_reads(state, 3) == 0
+        assert await reads(state, 3) == (0, 0)
         fresh = alloc.allocate(2)  # evicts two blocks
         hb.beat()
-        assert await set_reads(state, 3) == 1
-        assert state.workers["w1"].blocks == {block_hex(h) for h in hashes[2:]}
-        r.hdel(worker_key("w1"), BLOCKS_VERSION)  # a worker that writes no version
-        assert await set_reads(state, 3) == 3
+        assert await reads(state, 3) == (0, 1)  # one change applied, then nothing
+        assert state.workers["w1"].blocks == published() and len(published()) == 2
+        alloc.register(fresh[0], 777)
+        hb.beat()
+        alloc.register(fresh[1], 778)
+        hb.beat()
         alloc.release(fresh)
+        assert await reads(state) == (0, 1)  # two changes in one HMGET
+        assert state.workers["w1"].blocks == published() and len(published()) == 4
+
+        def replace_one(h: int) -> None:  # the least recently used block evicted for h
+            p = alloc.allocate(1)
+            alloc.register(p[0], h)
+            alloc.release(p)
+            hb.beat()
+
+        hb._resync_at = 0.0  # the next beat rewrites the set whole: no delta for it
+        replace_one(779)
+        assert await reads(state, 2) == (1, 1)  # the missing delta, then the whole set
+        assert state.workers["w1"].blocks == published()
+        for i in range(DELTAS_KEPT + 1):  # further behind than the deltas kept
+            replace_one(1000 + i)
+        assert await reads(state) == (1, 0)
+        assert state.workers["w1"].blocks == published() and 1000 + DELTAS_KEPT in {
+            int(h, 16) for h in published()
+        }
+        assert r.hlen(block_deltas_key("w1")) <= DELTAS_KEPT
+        r.hdel(worker_key("w1"), BLOCKS_VERSION)  # a worker that writes no version
+        assert await reads(state, 3) == (3, 0)
         await state.stop()
 
     asyncio.run(main())
     hb.stop(deregister=True)
+    assert not r.exists(block_deltas_key("w1"))

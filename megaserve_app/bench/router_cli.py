@@ -8,9 +8,11 @@ import json
 from pathlib import Path
 
 from megaserve.worker_args import positive_int
+from megaserve_app.bench.view_refresh import add_view_refresh
 
 
 def add_router(bsub) -> None:
+    add_view_refresh(bsub)
     rt = bsub.add_parser(
         "router", help="policies on a shared-prefix workload; router overhead and throughput"
     )
