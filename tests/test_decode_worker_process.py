@@ -9,7 +9,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 
 import grpc
@@ -18,6 +17,7 @@ import redis
 from megaserve.rpc import decode_pb2, decode_pb2_grpc
 from megaserve.state_keys import worker_key, workers_set
 from tests.conftest import FIXTURES, REPO
+from tests.polling import until
 from tests.redis_server import free_port
 
 
@@ -30,15 +30,6 @@ def _generate(addr: str, rid: str, n: int = 4) -> list[int]:
             stopping=decode_pb2.StoppingParams(max_tokens=n, ignore_eos=True),
         )
         return [t for r in stub.Generate(req, timeout=60) for t in r.token_ids]
-
-
-def _wait(pred, timeout=10.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def _spawn(kind: str, worker_id: str, redis_url: str, *extra: str) -> subprocess.Popen:
@@ -81,7 +72,10 @@ def test_worker_process_lifecycle(redis_server):
         assert m, line + proc.stderr.read()[-3000:]
         addr = m.group(1)
         r = redis.Redis.from_url(redis_server.url)
-        assert _wait(lambda: r.sismember(workers_set("decode"), "dw1"))
+        until(
+            lambda: r.sismember(workers_set("decode"), "dw1"),
+            "r.sismember(workers_set('decode'), 'dw1')",
+        )
         assert r.hget(worker_key("dw1"), "address").decode() == addr
         assert len(_generate(addr, "p1")) == 4
         # Redis dies: the worker keeps serving; when Redis returns it re-registers.
@@ -89,7 +83,7 @@ def test_worker_process_lifecycle(redis_server):
         assert len(_generate(addr, "p2")) == 4
         redis_server.start()
         r = redis.Redis.from_url(redis_server.url)
-        assert _wait(lambda: r.exists(worker_key("dw1")))
+        until(lambda: r.exists(worker_key("dw1")), "r.exists(worker_key('dw1'))")
         body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read().decode()
         assert "megaserve:time_to_first_token_seconds_count" in body
         assert re.search(r"megaserve:generation_tokens_total\{[^}]*\} 8\.0", body), body[:2000]
@@ -119,7 +113,10 @@ def test_prefill_worker_process_registers_and_stops(redis_server):
         line = proc.stdout.readline()
         assert "READY prefill worker pw1" in line, line + proc.stderr.read()[-2000:]
         r = redis.Redis.from_url(redis_server.url)
-        assert _wait(lambda: r.sismember(workers_set("prefill"), "pw1"))
+        until(
+            lambda: r.sismember(workers_set("prefill"), "pw1"),
+            "r.sismember(workers_set('prefill'), 'pw1')",
+        )
         assert r.hget(worker_key("pw1"), "role") == b"prefill"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0

@@ -5,7 +5,6 @@ real processes only hit by chance. Each try must be a fresh request id on the wo
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 
@@ -18,6 +17,7 @@ from router.state import ClusterState
 from router.worker_view import WorkerView
 from tests.conftest import FakeClock
 from tests.dispatch_helpers import job, worker_view
+from tests.polling import until_async
 
 PROMPT = list(range(3, 83))  # 80 tokens: over disagg_min_uncached_tokens, so prefill is used
 N = 12
@@ -99,14 +99,6 @@ async def _collect(disp: Dispatcher, job: Job) -> list[int]:
     return [t async for c in disp.run(job, deadline=None) for t in c.token_ids]
 
 
-async def _until(pred, what: str, timeout: float = 60.0) -> None:
-    """Polls pred on the event loop until true; a generous deadline, not a timing claim."""
-    end = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < end, f"not within {timeout} s: {what}"
-        await asyncio.sleep(0.01)
-
-
 async def _scenario():
     decode, prefill = ScriptedDecode(), ScriptedPrefill()
     server = grpc.aio.server()
@@ -165,7 +157,7 @@ async def _probe_scenario():
         probe = asyncio.create_task(_collect(disp, _job("probe")))
         # The probe's first token reached the router and closed the breaker; the probe itself
         # cannot finish until `held` is set. No clock moves: the silent-probe timeout is out.
-        await _until(lambda: not disp.breakers.is_open("d"), "the probe closing the breaker")
+        await until_async(lambda: not disp.breakers.is_open("d"), "the probe closing the breaker")
         assert not probe.done()
         other = await _collect(disp, _job("other"))
         assert not probe.done() and len(decode.generated) == 2, decode.generated

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import time
 
 import grpc
 import pytest
@@ -17,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from megaserve.sampling_params import SamplingParams
 from megaserve_app.launch import worker_stats
+from tests.polling import until
 from tests.redis_server import RedisServer
 from tests.router_stack import offline_reference
 from tests.stack import Stack, make_chat_checkpoint, tokens_equal_report, wait_router_view
@@ -73,14 +73,6 @@ def _health(addr: str) -> int:
         return health_pb2_grpc.HealthStub(ch).Check(req, timeout=5).status
 
 
-def _until(pred, what: str, timeout: float = 120.0) -> None:
-    """A generous deadline for something the test waits on; no timing claim."""
-    end = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < end, f"no {what} within {timeout} s"
-        time.sleep(0.05)
-
-
 def test_stuck_decode_engine_requests_move_and_it_serves_again(stack):
     st, addr, ck, turns = stack
     d1 = st.procs["d1"]
@@ -90,11 +82,13 @@ def test_stuck_decode_engine_requests_move_and_it_serves_again(stack):
     streams = [Stream(addr, p, sp, f"stall-{i}") for i, (p, sp) in enumerate(cases)]
     for s in streams:
         s.start()
-    _until(lambda: all(len(s.tokens) >= 4 for s in streams), "streams started")
+    until(lambda: all(len(s.tokens) >= 4 for s in streams), "streams started", 120)
     assert worker_stats(d1.address).running > 0  # least_loaded put some on d1
     with _turn_held(turns["d1"]):
-        _until(
-            lambda: _health(d1.address) == health_pb2.HealthCheckResponse.NOT_SERVING, "NOT_SERVING"
+        until(
+            lambda: _health(d1.address) == health_pb2.HealthCheckResponse.NOT_SERVING,
+            "NOT_SERVING",
+            120,
         )
         for s in streams:
             s.join(timeout=240)
@@ -110,7 +104,7 @@ def test_stuck_decode_engine_requests_move_and_it_serves_again(stack):
     moved = _events(st.procs["r1"], "migrating")
     assert moved and all("left the view" in e["error"] for e in moved), moved
     # Lock let go: the engine moves, health and registration come back, nothing was leaked.
-    _until(lambda: _health(d1.address) == SERVING, "SERVING")
+    until(lambda: _health(d1.address) == SERVING, "SERVING", 120)
     st.wait_registered(["d1"])
     wait_router_view(addr, 2, 1)
 
@@ -118,7 +112,7 @@ def test_stuck_decode_engine_requests_move_and_it_serves_again(stack):
         s = worker_stats(d1.address)
         return s.running == s.waiting == 0 and s.free_pages + s.cached_pages == s.total_pages
 
-    _until(idle, "d1's aborted requests released")
+    until(idle, "d1's aborted requests released", 120)
     # Placed there again: the router closed its channel to d1 when d1 left, and opens another.
     after = [Stream(addr, p, sp, f"after-{i}") for i, (p, sp) in enumerate(cases)]
     for s in after:
@@ -144,7 +138,7 @@ def test_stuck_prefill_engine_hand_off_moves_and_the_process_ends(stack):
         assert not s.is_alive(), "the request is stuck on the stalled prefill worker"
         # The router moved it once p1 left the view (--stall-s 1 + the router's 2 s grace),
         # before p1 ended itself (--stall-exit-s 8).
-        _until(lambda: p1.returncode is not None, "p1's exit")
+        until(lambda: p1.returncode is not None, "p1's exit", 120)
     assert s.error is None, s.error
     assert s.tokens == gen.generate(prompt, N_TOKENS, SamplingParams(), ignore_eos=True).token_ids
     assert p1.returncode == 1

@@ -21,6 +21,7 @@ from megaserve.status import Reason, reason_of, retry_after_ms_of
 from router import worker_stream as router_stream
 from router.worker_stream import WorkerCalls
 from router.workers import WORKER_FAILED_CODES, WorkerClients, WorkerFailed, classify
+from tests.polling import until
 
 
 async def _old_worker(engine: DecodeEngine):
@@ -154,16 +155,9 @@ def test_a_failed_request_ends_as_its_own_call_would(workers, case):
         assert "temperature=-1" in stream_e.details()
 
 
-def _wait(cond, what: str, timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, what
-        time.sleep(0.01)
-
-
 def test_cancel_frees_the_request_on_the_worker(workers):
     dec, addr, _, _, _, _ = workers
-    _wait(lambda: dec.live_count == 0, "idle before")
+    until(lambda: dec.live_count == 0, "idle before")
     unused = lambda: dec.stats()["free_pages"] + dec.stats()["cached_pages"]  # noqa: E731
     free = unused()
 
@@ -193,8 +187,8 @@ def test_cancel_frees_the_request_on_the_worker(workers):
         return await _tokens(streamed, addr, _req("next", [3, 4, 5]))
 
     assert len(_run(fn)) == 6
-    _wait(lambda: dec.live_count == 0, "the cancelled request still runs")
-    _wait(lambda: unused() == free, "its pages are not back (free or cached)")
+    until(lambda: dec.live_count == 0, "the cancelled request still runs")
+    until(lambda: unused() == free, "its pages are not back (free or cached)")
 
 
 def test_a_deadline_ends_a_waiting_request_and_frees_its_reservation(workers):
@@ -215,7 +209,7 @@ def test_a_deadline_ends_a_waiting_request_and_frees_its_reservation(workers):
     e, waited = _run(fn)
     assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert 0.25 < waited < 5
-    _wait(lambda: dec.reservation("late") is None, "the reservation outlived its deadline")
+    until(lambda: dec.reservation("late") is None, "the reservation outlived its deadline")
 
 
 def test_a_worker_without_generate_stream_gets_a_call_per_request(workers):
@@ -386,4 +380,4 @@ def test_a_second_live_request_id_on_a_stream_is_already_exists(workers):
     e = router_stream._status_error(m.status)
     assert e.code() == grpc.StatusCode.ALREADY_EXISTS and "'twice'" in e.details()
     assert reason_of(e) == Reason.DUPLICATE_REQUEST_ID
-    _wait(lambda: dec.reservation("twice") is None, "the stream's end left the reservation")
+    until(lambda: dec.reservation("twice") is None, "the stream's end left the reservation")

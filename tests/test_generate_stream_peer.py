@@ -11,7 +11,8 @@ import grpc
 from megaserve.rpc import decode_pb2
 from router import worker_stream as router_stream
 from router.workers import WorkerClients
-from tests.test_generate_stream import _req, _wait, workers  # noqa: F401
+from tests.polling import until
+from tests.test_generate_stream import _req, workers  # noqa: F401
 
 
 async def _read_all(call) -> list:
@@ -73,4 +74,4 @@ def test_a_second_live_request_id_ends_both_with_one_status(workers):  # noqa: F
     e = router_stream._status_error(dup[-1].status)
     assert e.code() == grpc.StatusCode.ALREADY_EXISTS and "both ended" in e.details()
     assert [m for m in rest if m.request_id == "after"][-1].response.finish_reason
-    _wait(lambda: dec.stats()["running"] == 0, "the first 'dup' ended")
+    until(lambda: dec.stats()["running"] == 0, "the first 'dup' ended", 10)

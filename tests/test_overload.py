@@ -36,6 +36,7 @@ from megaserve_app.launch import worker_stats
 from prefill_service.engine import DeadlineExpired, PrefillConfig, PrefillEngine, PrefillResult
 from prefill_service.server import create_server as create_prefill
 from tests.conftest import FakeClock
+from tests.polling import until
 from tests.redis_server import RedisServer
 from tests.stack import Stack, make_chat_checkpoint, tokens_equal_report, wait_router_view
 
@@ -44,14 +45,6 @@ SP = SamplingParams()
 
 def _noop(*_):
     pass
-
-
-def _until(pred, what: str, timeout: float = 60.0) -> None:
-    """Polls pred until true; a generous deadline, not a timing claim."""
-    end = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < end, f"not within {timeout} s: {what}"
-        time.sleep(0.05)
 
 
 # --- the prefill queue ------------------------------------------------------------------
@@ -94,7 +87,7 @@ def test_prefill_queue_bound_cancel_and_deadline(tiny_model):
     assert kept.result(120).prefix_hit_pages == 0
     assert pre.expired == 1
     assert pre.rows_computed == 3  # the held prompt's two chunks and `kept`; nothing else
-    _until(lambda: pre.stats()["active"] == 0 and pre.stats()["queued"] == 0, "engine idle")
+    until(lambda: pre.stats()["active"] == 0 and pre.stats()["queued"] == 0, "engine idle")
     pre.alloc.check_invariants()
     assert pre.alloc.all_free_or_cached()
 
@@ -182,7 +175,7 @@ def test_decode_worker_full_queue_retry_after_and_queued_deadline(tiny_model):
     try:
         with ThreadPoolExecutor(1) as ex:
             queued = ex.submit(call, "b")
-            _until(lambda: eng.stats()["waiting"] == 1, "b queued")
+            until(lambda: eng.stats()["waiting"] == 1, "b queued")
             full = call("c")  # the queue holds one: refused at once
             assert full.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, full
             assert reason_of(full) == Reason.NO_CAPACITY
@@ -304,7 +297,7 @@ def test_burst_over_every_limit_completes_exactly_or_is_refused_fast(small_stack
         f"max {1000 * refused[-1]:.1f} ms ({slowest['msg'][-60:]})"
     )
     # Afterwards: every pool free or cached, and the stack answers exactly.
-    _until(lambda: _pools_clean(st), "decode and prefill pools free or cached")
+    until(lambda: _pools_clean(st), "decode and prefill pools free or cached")
     again = asyncio.run(_burst(addr, prompts[:2]))
     assert [r["code"] for r in again] == [grpc.StatusCode.OK] * 2, again
     assert [r["ids"] for r in again] == want[:2]

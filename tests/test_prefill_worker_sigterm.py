@@ -15,16 +15,8 @@ from megaserve.cpu_turns import CpuTurns
 from megaserve.sampling_params import SamplingParams
 from megaserve_app.launch import megaserve_cmd, worker_stats
 from router.workers import HandoffFailed
+from tests.polling import until
 from tests.stack import Stack, disagg_generate, make_chat_checkpoint
-
-
-def _until(pred, what: str, timeout: float = 30.0):
-    end = time.monotonic() + timeout
-    while not (v := pred()):
-        if time.monotonic() > end:
-            raise TimeoutError(what)
-        time.sleep(0.05)
-    return v
 
 
 def test_sigterm_mid_prompt_exits_0_and_frees_the_reservation(tmp_path, redis_server):
@@ -54,7 +46,7 @@ def test_sigterm_mid_prompt_exits_0_and_frees_the_reservation(tmp_path, redis_se
 
         client = threading.Thread(target=handoff)
         client.start()
-        _until(lambda: worker_stats(d.address).reserved == 1, "no reservation on d1")
+        until(lambda: worker_stats(d.address).reserved == 1, "no reservation on d1")
         time.sleep(0.5)  # the Prefill call is on p1, its first piece waiting for a turn
         p.p.send_signal(15)
         time.sleep(1.5)  # past the grace: the call is cancelled, stop waits for the engine
@@ -65,7 +57,7 @@ def test_sigterm_mid_prompt_exits_0_and_frees_the_reservation(tmp_path, redis_se
         assert not client.is_alive()
         error = result.get("error")
         assert isinstance(error, HandoffFailed) and error.stage == "prefill", result
-        stats = _until(
+        stats = until(
             lambda: (s := worker_stats(d.address)).reserved == 0 and s, "reservation held"
         )
         assert stats.free_pages + stats.cached_pages == stats.total_pages, stats

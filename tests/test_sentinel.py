@@ -24,21 +24,10 @@ from megaserve.v1 import generation_pb2 as pb
 from megaserve.v1 import generation_pb2_grpc as pbg
 from megaserve_app.launch import free_port, redis_binary
 from router.state import ClusterState
+from tests.polling import until, until_async
 from tests.stack import Stack, make_chat_checkpoint, wait_router_view
 
 SERVICE = "megaserve"
-
-
-def _wait(pred, timeout: float = 60.0, what: str = "condition"):
-    """Polls pred until it returns something truthy (returned) or a generous deadline."""
-    end = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > end:
-            raise TimeoutError(f"{what}: not within {timeout} s")
-        time.sleep(0.05)
 
 
 def _ask(call, *args):
@@ -82,11 +71,11 @@ class Sentinels:
 
     def start(self) -> Sentinels:
         self.primary = self._server("primary", self.primary_port)
-        _wait(lambda: _ask(self.client(self.primary_port).ping), what="primary up")
+        until(lambda: _ask(self.client(self.primary_port).ping), what="primary up")
         self._server(
             "replica", self.replica_port, "--replicaof", "127.0.0.1", str(self.primary_port)
         )
-        _wait(lambda: self.link_up(self.replica_port), what="replica in sync")
+        until(lambda: self.link_up(self.replica_port), what="replica in sync")
         for i, port in enumerate(self.sentinel_ports):
             conf = self.d / f"sentinel-{i}.conf"  # Sentinel rewrites its config: one each
             conf.write_text(
@@ -98,7 +87,7 @@ class Sentinels:
             self._spawn(f"sentinel-{i}", str(conf), "--sentinel")
         # Every Sentinel knows the replica and the other Sentinels: a failover can happen.
         for port in self.sentinel_ports:
-            _wait(lambda p=port: self.sentinel_ready(p), what=f"sentinel {port} ready")
+            until(lambda p=port: self.sentinel_ready(p), what=f"sentinel {port} ready")
         return self
 
     def link_up(self, port: int) -> bool:
@@ -117,7 +106,7 @@ class Sentinels:
         ports = self.sentinel_ports
         ask = [self.client(p).sentinel_get_master_addr_by_name for p in ports]
         named = lambda: len(got := {_ask(a, SERVICE) for a in ask}) == 1 and None not in got  # noqa: E731
-        return int(_wait(named, what="the Sentinels agreeing") and _ask(ask[0], SERVICE)[1])
+        return int(until(named, what="the Sentinels agreeing") and _ask(ask[0], SERVICE)[1])
 
     def kill_primary(self) -> None:
         self.primary.kill()  # SIGKILL
@@ -251,15 +240,15 @@ def test_clients_follow_a_failover(sentinels):
     async def main():
         state = ClusterState(url, refresh_s=0.1)
         await state.start()
-        await _until(lambda: "d0" in state.workers, "the router's view has d0")
+        await until_async(lambda: "d0" in state.workers, "the router's view has d0")
         assert await state.claim("before", "r", 30)
         t0 = time.monotonic()
         sentinels.kill_primary()
-        await _until(lambda: not sentinels.link_up(sentinels.replica_port), "replica sees it")
+        await until_async(lambda: not sentinels.link_up(sentinels.replica_port), "replica sees it")
         beats = Refreshes(new, [worker_key("d0")])
-        await _until(lambda: not state.redis_ok, "the router notices")
-        await _until(beats.poll, "a heartbeat on the new primary")
-        await _until(lambda: state.redis_ok and "d0" in state.workers, "the view is live")
+        await until_async(lambda: not state.redis_ok, "the router notices")
+        await until_async(beats.poll, "a heartbeat on the new primary")
+        await until_async(lambda: state.redis_ok and "d0" in state.workers, "the view is live")
         assert await state.claim("after", "r", 30)
         assert new.get("megaserve:inflight:after") == b"r"  # written on the new primary
         assert sentinels.settled_primary_port() == sentinels.replica_port
@@ -272,14 +261,6 @@ def test_clients_follow_a_failover(sentinels):
     finally:
         hb.stop()
     print(f"in-process clients followed the failover in {took:.1f} s")
-
-
-async def _until(pred, what: str, timeout: float = 60.0) -> None:
-    end = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > end:
-            raise TimeoutError(f"{what}: not within {timeout} s")
-        await asyncio.sleep(0.05)
 
 
 class Load:
@@ -344,17 +325,17 @@ def test_stack_follows_a_failover(tmp_path, sentinels):
         for p in procs:
             p.wait_ready()
         primary = sentinels.client(sentinels.primary_port)
-        _wait(lambda: primary.exists(worker_key("d1"), worker_key("p1")) == 2, what="registered")
+        until(lambda: primary.exists(worker_key("d1"), worker_key("p1")) == 2, what="registered")
         router = st.procs["r1"].address
         wait_router_view(router, 1, 1)
         load = Load(router).start()
-        _wait(lambda: load.done_since(0) >= 4, timeout=180, what="requests before the kill")
+        until(lambda: load.done_since(0) >= 4, timeout=180, what="requests before the kill")
 
         t0 = time.monotonic()
         first_after = load.next_id()  # ids from here on started after the kill
         sentinels.kill_primary()
         new = sentinels.client(sentinels.replica_port)
-        _wait(lambda: not sentinels.link_up(sentinels.replica_port), what="replica sees it")
+        until(lambda: not sentinels.link_up(sentinels.replica_port), what="replica sees it")
         beats = Refreshes(new, [worker_key("d1"), worker_key("p1")])
         views = []
 
@@ -370,11 +351,11 @@ def test_stack_follows_a_failover(tmp_path, sentinels):
                 views.append([(x.decode_workers, x.prefill_workers) for x in m])
                 return beats.poll() and router_wrote()
 
-            _wait(followed, timeout=120, what="workers and router on the new primary")
+            until(followed, timeout=120, what="workers and router on the new primary")
         took = time.monotonic() - t0
         switched = sentinels.settled_primary_port()
         after = time.monotonic()
-        _wait(lambda: load.done_since(after) >= 4, timeout=180, what="requests after it")
+        until(lambda: load.done_since(after) >= 4, timeout=180, what="requests after it")
         load.stop()
         failed = [r for r in load.results if r[3] is not None]
         assert not failed, failed
@@ -382,7 +363,10 @@ def test_stack_follows_a_failover(tmp_path, sentinels):
         # The view never emptied, and it is live again on the new primary (not the last one).
         assert all(v == [(1, 1)] for v in views), views
         r1 = st.procs["r1"]
-        _wait(lambda: "".join(r1.lines).count("redis reachable; worker view live") >= 2)
+        until(
+            lambda: "".join(r1.lines).count("redis reachable; worker view live") >= 2,
+            "both refreshes live",
+        )
         # Claims during the failover fell back to the router's own ids, and it said so.
         assert "duplicate request ids checked on this router only" in "".join(r1.lines)
         heartbeats = {k: round(t - t0, 1) for k, t in beats.at.items()}

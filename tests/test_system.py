@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from megaserve_app.launch import worker_stats
+from tests.polling import until
 from tests.stack import counters_moved, decode_counters, tokens_equal_report, wait_router_view
 from tests.system_stack import (
     DECODE,
@@ -156,14 +157,6 @@ def test_chaos_kill9_and_restart_workers(stack):
     wait_pools_idle(st)
 
 
-def _until(pred, what: str, timeout: float = 300.0) -> None:
-    """Polls pred until true; a generous deadline, not a timing claim."""
-    end = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < end, f"not within {timeout} s: {what}"
-        time.sleep(0.02)
-
-
 def test_redis_restart_mid_run(stack):
     st, addr, rs = stack
     _all_serving(st, addr)
@@ -198,14 +191,14 @@ def test_redis_restart_mid_run(stack):
     t = threading.Thread(target=run, name="redis-restart-run")
     t.start()
     # Mid-run: some requests done, eight in flight, more queued.
-    _until(lambda: finished[0] >= 8 or not t.is_alive(), "8 requests finished")
+    until(lambda: finished[0] >= 8 or not t.is_alive(), "8 requests finished", 300)
     run_failed()
     with lock:
         rs.kill()
         in_flight, done_at_kill = started[0] - finished[0], finished[0]
     assert in_flight > 0 and done_at_kill < len(cases), (in_flight, done_at_kill)
     # Served while Redis is down: requests in flight at the kill finish, new ones start.
-    _until(lambda: finished[0] >= done_at_kill + 8 or not t.is_alive(), "requests finishing")
+    until(lambda: finished[0] >= done_at_kill + 8 or not t.is_alive(), "requests finishing", 300)
     run_failed()
     served_while_down = finished[0] - done_at_kill
     rs.start()  # empty: workers re-register and republish their blocks on the next beat

@@ -10,13 +10,7 @@ import time
 import pytest
 
 from megaserve.watchdog import StallConfig, StallConfigError, StallWatch
-
-
-def _until(pred, what: str, timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < end, f"no {what} within {timeout} s"
-        time.sleep(0.01)
+from tests.polling import until
 
 
 def test_a_span_past_stall_s_is_not_alive_and_past_exit_s_is_stuck():
@@ -35,9 +29,9 @@ def test_a_span_past_stall_s_is_not_alive_and_past_exit_s_is_stuck():
     t = threading.Thread(target=step)
     t.start()
     t0 = time.monotonic()
-    _until(lambda: not watch.alive(), "stall")
+    until(lambda: not watch.alive(), "stall")
     assert time.monotonic() - t0 >= 0.2
-    _until(lambda: stuck, "on_stuck")
+    until(lambda: stuck, "on_stuck")
     assert time.monotonic() - t0 >= 0.5
     assert stuck[0].startswith("test step running for") and "limit 0.5 s" in stuck[0]
     release.set()
