@@ -44,10 +44,13 @@ def block_deltas_key(worker_id: str) -> str:
 
 
 def placed_blocks_key(worker_id: str) -> str:
-    """Sorted set: prefix block hashes (hex) routers have just sent to a worker, scored by
-    when that expectation ends (Unix ms): every router counts them before the worker's own
-    set says so. Routers trim expired members; the key's TTL bounds an idle one."""
-    return f"{PREFIX}placed:{worker_id}"
+    """Stream: one entry per placement a router just sent to a worker, field `b` its prefix
+    block hashes (hex, comma-joined); the entry's id (Redis's clock) starts the expectation.
+    Every router reads the entries after the last it read and counts those blocks before the
+    worker's own set says so. Writers trim entries past the expectation; the key's TTL
+    bounds an idle one. (A stream, not the sorted set of hashes it was: a refresh then read
+    every hash of the last seconds, ~10 us each, every 0.2 s.)"""
+    return f"{PREFIX}placements:{worker_id}"
 
 
 def block_hex(h: int) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -145,16 +144,14 @@ class ClusterState:
     def expect(self, view: WorkerView, prompt: list[int]) -> None:
         """Records that view's worker is about to cache prompt's full blocks: in this
         router's view at once and, sharing placements, in Redis for the other routers (a
-        write nobody waits for; expired members are trimmed by the same write)."""
+        write nobody waits for; expired entries are trimmed by the same write)."""
         new = view.expect_blocks(prompt)
         if not (new and self.share_placements and self.redis is not None):
             return
-        key, now_ms = placed_blocks_key(view.id), int(time.time() * 1000)
-        until_ms = now_ms + int(worker_view.OPTIMISTIC_S * 1000)
-        cmds = (
-            ("ZADD", key, *itertools.chain.from_iterable((until_ms, h) for h in new)),
-            ("ZREMRANGEBYSCORE", key, "-inf", now_ms),
-            ("PEXPIRE", key, 2 * int(worker_view.OPTIMISTIC_S * 1000)),
+        key, life_ms = placed_blocks_key(view.id), int(worker_view.OPTIMISTIC_S * 1000)
+        cmds = (  # (MINID: entries whose expectation ended, by this router's clock)
+            ("XADD", key, "MINID", int(time.time() * 1000) - life_ms, "*", "b", ",".join(new)),
+            ("PEXPIRE", key, 2 * life_ms),
         )
         if self._ids is not None:
             self._ids.fire(*cmds)  # down: this placement is not shared (the next one tries)

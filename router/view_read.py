@@ -17,9 +17,12 @@ from megaserve.state_keys import (
     worker_key,
     workers_set,
 )
+from router import worker_view
 from router.worker_view import WorkerView
 
 log = structlog.get_logger("megaserve.router.state")
+# Placements read per worker per refresh (the rest at the next): bounds one refresh's work.
+PLACEMENTS_PER_READ = 10_000
 
 
 def _text(v) -> str:
@@ -33,17 +36,21 @@ async def read_workers(
     are updated in place. A worker's block set is read only when its BLOCKS_VERSION moved
     from the one `known` holds (or it has none), and then as the changes since, when those
     are kept: three round trips, the third often empty, instead of every set whole on every
-    refresh."""
+    refresh. Shared placements are read from where this router's last read ended."""
     pipe = r.pipeline(transaction=False)
     for role in ("decode", "prefill"):
         pipe.smembers(workers_set(role))
     ids = [_text(m) for ms in await pipe.execute() for m in ms]
     pipe = r.pipeline(transaction=False)
-    now_ms = time.time() * 1000
+    pipe.time()  # placements expire by Redis's clock (their ids): no skew between routers
+    first = str(int(time.time() * 1000 - worker_view.OPTIMISTIC_S * 1000))  # a new view's
     for wid in ids:
         pipe.hgetall(worker_key(wid))
-        pipe.zrangebyscore(placed_blocks_key(wid), now_ms, "+inf", withscores=True)
-    res = await pipe.execute() if ids else []
+        seen_id = known[wid].placed_seen if wid in known else None
+        start = f"({seen_id}" if seen_id else first  # only the entries not read yet
+        pipe.xrange(placed_blocks_key(wid), min=start, count=PLACEMENTS_PER_READ)
+    clock, *res = await pipe.execute()
+    now_ms = clock[0] * 1000 + clock[1] / 1000
     records = {wid: ({_text(k): _text(v) for k, v in res[2 * i].items()}, res[2 * i + 1])
                for i, wid in enumerate(ids)}  # fmt: skip
     pipe, reads = r.pipeline(transaction=False), []

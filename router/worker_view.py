@@ -51,6 +51,7 @@ class WorkerView:
     info: WorkerInfo
     blocks: frozenset[str] = frozenset()  # hex block hashes the worker published
     blocks_version: str | None = None  # the worker hash's BLOCKS_VERSION `blocks` was read at
+    placed_seen: str | None = None  # the last placed_blocks_key entry read (its stream id)
     optimistic: dict[str, float] = field(default_factory=dict)  # hex -> expiry (monotonic)
     inflight: int = 0  # requests this router has running there
     inflight_pages: int = 0  # pages those requests hold (prompt + max output)
@@ -110,11 +111,17 @@ class WorkerView:
             self.optimistic[h] = until
         return share
 
-    def merge_placed(self, placed: list, now: float, now_ms: float) -> None:
-        """Adds blocks routers shared (members of placed_blocks_key: (hex, expiry Unix ms))
-        that the worker's own set does not confirm yet."""
-        for h, until_ms in placed:
-            h = h.decode() if isinstance(h, bytes) else h
-            until = now + (until_ms - now_ms) / 1000
-            if h not in self.blocks and until > self.optimistic.get(h, 0.0):
-                self.optimistic[h] = until
+    def merge_placed(self, entries: list, now: float, now_ms: float) -> None:
+        """Adds the blocks of placements routers shared (placed_blocks_key's entries after
+        `placed_seen`, read when Redis's clock said now_ms) that the worker's own set does
+        not confirm yet, for what is left of OPTIMISTIC_S from each entry's id."""
+        for eid, fields in entries:
+            eid = eid.decode() if isinstance(eid, bytes) else eid
+            self.placed_seen = eid
+            until = now + (int(eid.partition("-")[0]) + OPTIMISTIC_S * 1000 - now_ms) / 1000
+            if until <= now:
+                continue
+            hexes = fields.get(b"b", fields.get("b", b""))
+            for h in (hexes.decode() if isinstance(hexes, bytes) else hexes).split(","):
+                if h and h not in self.blocks and until > self.optimistic.get(h, 0.0):
+                    self.optimistic[h] = until

@@ -5,7 +5,6 @@ they expire, and a router with sharing off or Redis down keeps only its own view
 from __future__ import annotations
 
 import asyncio
-import time
 
 import redis
 
@@ -48,17 +47,24 @@ def test_a_placement_on_one_router_is_seen_by_another(redis_server):
             b.workers["w1"].cached_prefix_blocks(PROMPT),
             b.workers["w2"].cached_prefix_blocks(PROMPT),
         )
-        members = r.zrange(placed_blocks_key("w1"), 0, -1, withscores=True)
+        entries = r.xrange(placed_blocks_key("w1"))
         ttl = r.pttl(placed_blocks_key("w1"))
+        seen = b.workers["w1"].placed_seen
+        a.expect(a.workers["w1"], PROMPT + list(range(5000, 5000 + 2 * PS)))  # 2 blocks more
+        await _settle(a, b)
+        more = b.workers["w1"].cached_prefix_blocks(PROMPT + list(range(5000, 5000 + 2 * PS)))
+        later = b.workers["w1"].placed_seen
         for s in (a, b):
             await s.stop()
-        return got, members, ttl
+        return got, entries, ttl, seen, more, later
 
-    got, members, ttl = asyncio.run(main())
+    got, entries, ttl, seen, more, later = asyncio.run(main())
     assert got == (5, 0)  # on w1 only
-    assert len(members) == 5
-    now_ms = time.time() * 1000
-    assert all(now_ms < s <= now_ms + view_mod.OPTIMISTIC_S * 1000 + 50 for _, s in members)
+    assert len(entries) == 1 and len(entries[0][1][b"b"].split(b",")) == 5  # one placement
+    assert seen == entries[0][0].decode()  # b read up to it, and next time reads after it
+    assert more == 7 and later > seen
+    redis_ms = 1000 * redis.Redis.from_url(redis_server.url).time()[0]
+    assert redis_ms - 5000 < int(seen.split("-")[0]) <= redis_ms + 1000  # ids: Redis's clock
     assert 0 < ttl <= 2 * view_mod.OPTIMISTIC_S * 1000
 
 
@@ -78,14 +84,14 @@ def test_shared_placements_expire_and_are_trimmed(redis_server, monkeypatch):
         await asyncio.sleep(0.4)
         await _settle(a, b)
         after = b.workers["w1"].cached_prefix_blocks(PROMPT)
-        a.expect(a.workers["w1"], PROMPT[: 2 * PS + 1])  # this write trims the expired five
+        a.expect(a.workers["w1"], PROMPT[: 2 * PS + 1])  # this write trims the expired entry
         await asyncio.sleep(0.05)
-        left = r.zcard(placed_blocks_key("w1"))
+        left = r.xrange(placed_blocks_key("w1"))
         for s in (a, b):
             await s.stop()
-        return seen, after, left
+        return seen, after, [len(fields[b"b"].split(b",")) for _, fields in left]
 
-    assert asyncio.run(main()) == (5, 0, 2)
+    assert asyncio.run(main()) == (5, 0, [2])
 
 
 def test_blocks_the_worker_publishes_are_not_written_again(redis_server):

@@ -1,5 +1,6 @@
 """`megaserve bench view-refresh`: a router's CPU per view refresh against workers with large
-block sets, idle and with every set changing at each heartbeat (real Redis, real Heartbeats)."""
+block sets, idle and with every set changing at each heartbeat (real Redis, real Heartbeats),
+and while another router shares placements on every worker."""
 
 from __future__ import annotations
 
@@ -68,7 +69,54 @@ async def _refreshes(url: str, sources, beats, n: int, churn: int) -> dict:
         await state.stop()
 
 
-def bench_view_refresh(blocks: int, workers: int, churn: int, refreshes: int) -> dict:
+async def _placements(url: str, workers: int, per_s: int, blocks: int, n: int) -> dict:
+    """A router's refreshes while another shares `per_s` placements of `blocks` new blocks a
+    second on each worker (ClusterState.expect, as on the request path); the CPU of the
+    last `n` refreshes, once the placements' window (OPTIMISTIC_S) is full."""
+    from router import worker_view
+    from router.state import ClusterState
+
+    writer, reader = ClusterState(url), ClusterState(url)
+    try:
+        await writer.refresh()
+        await reader.refresh()
+        writer._ids.fire(("PING",))  # connects the writer's pipelined connection
+        await asyncio.sleep(0.05)
+        ticks = int(worker_view.OPTIMISTIC_S / 0.2) + n
+        cpu, made = [], 0
+        for _ in range(ticks):
+            for w in range(workers):
+                for _ in range(max(1, round(per_s * 0.2))):
+                    made += 1
+                    start = made * (blocks + 1) * 16
+                    writer.expect(
+                        writer.workers[f"w{w}"], list(range(start, start + blocks * 16 + 1))
+                    )
+            await asyncio.sleep(0.2)
+            t = time.thread_time()
+            await reader.refresh()
+            cpu.append(time.thread_time() - t)
+        last = sorted(cpu[-n:])
+        return {
+            "placements_per_s_per_worker": per_s,
+            "blocks_per_placement": blocks,
+            "cpu_ms_per_refresh_median": round(1000 * last[len(last) // 2], 3),
+            "cpu_ms_per_refresh_mean": round(1000 * sum(last) / len(last), 3),
+            "blocks_expected_on_w0": len(reader.workers["w0"].optimistic),
+        }
+    finally:
+        await writer.stop()
+        await reader.stop()
+
+
+def bench_view_refresh(
+    blocks: int,
+    workers: int,
+    churn: int,
+    refreshes: int,
+    placements_per_s: int = 5,
+    placement_blocks: int = 128,
+) -> dict:
     """CPU per refresh of one router's view: its workers idle, then `churn` blocks replaced
     on each worker every REFRESHES_PER_BEAT refreshes (a heartbeat); checks the view."""
     from megaserve.registration import Heartbeat
@@ -95,7 +143,10 @@ def bench_view_refresh(blocks: int, workers: int, churn: int, refreshes: int) ->
             asyncio.run(_refreshes(redis_proc.url, sources, beats, refreshes, c))
             for c in (0, churn)
         ]
-        return {"workers": workers, "blocks_per_worker": blocks, "rows": rows}
+        placed = asyncio.run(
+            _placements(redis_proc.url, workers, placements_per_s, placement_blocks, refreshes)
+        )
+        return {"workers": workers, "blocks_per_worker": blocks, "rows": rows, "placed": placed}
     finally:
         redis_proc.kill()
 
@@ -108,12 +159,16 @@ def add_view_refresh(bsub) -> None:
     v.add_argument("--workers", type=int, default=4)
     v.add_argument("--churn", type=int, default=16, help="blocks replaced per heartbeat")
     v.add_argument("--refreshes", type=int, default=25, help="timed refreshes per row")
+    v.add_argument("--placements-per-s", type=int, default=5, help="shared, per worker")
+    v.add_argument("--placement-blocks", type=int, default=128, help="new blocks per placement")
     v.add_argument("--json-out")
     v.set_defaults(func=cmd_bench_view_refresh)
 
 
 def cmd_bench_view_refresh(a) -> int:
-    out = bench_view_refresh(a.blocks, a.workers, a.churn, a.refreshes)
+    out = bench_view_refresh(
+        a.blocks, a.workers, a.churn, a.refreshes, a.placements_per_s, a.placement_blocks
+    )
     for r in out["rows"]:
         print(
             f"{out['workers']} workers x {out['blocks_per_worker']} blocks, "
@@ -122,6 +177,13 @@ def cmd_bench_view_refresh(a) -> int:
             f"{r['cpu_ms_per_refresh_mean']:.2f}); view equals the sets: "
             f"{r['view_equals_the_sets']}"
         )
+    p = out["placed"]
+    print(
+        f"{out['workers']} workers, {p['placements_per_s_per_worker']} placements/s of "
+        f"{p['blocks_per_placement']} blocks shared on each: {p['cpu_ms_per_refresh_median']:.2f}"
+        f" ms CPU per refresh (median; mean {p['cpu_ms_per_refresh_mean']:.2f}); "
+        f"{p['blocks_expected_on_w0']} blocks expected on w0"
+    )
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(out, indent=1))
     return 0 if all(r["view_equals_the_sets"] for r in out["rows"]) else 1
