@@ -46,11 +46,17 @@ def block_deltas_key(worker_id: str) -> str:
 def placed_blocks_key(worker_id: str) -> str:
     """Stream: one entry per placement a router just sent to a worker, field `b` its prefix
     block hashes (hex, comma-joined); the entry's id (Redis's clock) starts the expectation.
-    Every router reads the entries after the last it read and counts those blocks before the
-    worker's own set says so. Writers trim entries past the expectation; the key's TTL
-    bounds an idle one. (A stream, not the sorted set of hashes it was: a refresh then read
-    every hash of the last seconds, ~10 us each, every 0.2 s.)"""
+    Every router reads the entries after the last it read and counts those blocks, for
+    what is left of the expectation by Redis's clock, before the worker's own set says so.
+    Writers keep the last PLACEMENTS_KEPT entries; the key's TTL bounds an idle one. (A
+    stream, not the sorted set of hashes it was: a refresh then read every hash of the last
+    seconds, ~10 us each, every 0.2 s.) XRANGE's exclusive start needs Redis >= 6.2."""
     return f"{PREFIX}placements:{worker_id}"
+
+
+# Entries a placements stream keeps: 200 placements/s on one worker over the 5 s a router
+# trusts one (older ones are read as expired anyway).
+PLACEMENTS_KEPT = 1000
 
 
 def block_hex(h: int) -> str:

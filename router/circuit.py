@@ -22,6 +22,7 @@ class CircuitBreakers:
         self.threshold, self.reset_s = failures, reset_s
         self.clock = clock  # seconds, monotonic; tests inject a fake one
         self._b: dict[str, _Breaker] = {}
+        self._absent: dict[str, float] = {}  # worker id -> when follow_view first missed it
 
     def allows(self, worker_id: str) -> bool:
         b = self._b.get(worker_id)
@@ -56,13 +57,19 @@ class CircuitBreakers:
         if b.probing or b.failures >= self.threshold:
             b.opened_at, b.probing = self.clock(), False
 
-    def keep_only(self, worker_ids: Iterable[str]) -> None:
-        """Drops the breakers of workers not in worker_ids (those that left the view): a
-        worker's id is new each time it starts, so a breaker opened by a worker that died
-        would otherwise be kept for ever, one per restart."""
-        keep = set(worker_ids)
-        for wid in [w for w in self._b if w not in keep]:
-            del self._b[wid]
+    def follow_view(self, worker_ids: Iterable[str], grace_s: float) -> None:
+        """Drops the breaker of a worker absent from the view (worker_ids) for grace_s: a
+        worker's id is new each time it starts (even on the same address), so a breaker
+        opened by one that died would otherwise be kept for ever, one per restart. One back
+        within the grace (a heartbeat late, Redis restarted empty) keeps its breaker."""
+        now, present = self.clock(), set(worker_ids)
+        for wid in list(self._b):
+            if wid in present:
+                self._absent.pop(wid, None)
+            elif now - self._absent.setdefault(wid, now) >= grace_s:
+                del self._b[wid], self._absent[wid]
+        for wid in [w for w in self._absent if w not in self._b]:  # closed since (success)
+            del self._absent[wid]
 
     def __len__(self) -> int:
         return len(self._b)

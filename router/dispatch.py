@@ -65,10 +65,8 @@ class Dispatcher:
         await self.clients.close()
 
     async def _view_changed(self) -> None:
-        gone = self.watch.update(w.info.address for w in self.state.workers.values())
-        if gone:  # after the same grace as the channels: a flapping heartbeat keeps its breaker
-            self.breakers.keep_only(self.state.workers)
-        for address in gone:
+        self.breakers.follow_view(self.state.workers, self.cfg.worker_gone_s)
+        for address in self.watch.update(w.info.address for w in self.state.workers.values()):
             await self.clients.forget(address)  # its requests have moved (calls.fail)
 
     # -- placement ---------------------------------------------------------------------

@@ -19,6 +19,7 @@ import structlog
 from megaserve.futures import retrieve
 from megaserve.redis_conn import async_client
 from megaserve.state_keys import (
+    PLACEMENTS_KEPT,
     inflight_key,
     placed_blocks_key,
     session_key,
@@ -148,10 +149,10 @@ class ClusterState:
         new = view.expect_blocks(prompt)
         if not (new and self.share_placements and self.redis is not None):
             return
-        key, life_ms = placed_blocks_key(view.id), int(worker_view.OPTIMISTIC_S * 1000)
-        cmds = (  # (MINID: entries whose expectation ended, by this router's clock)
-            ("XADD", key, "MINID", int(time.time() * 1000) - life_ms, "*", "b", ",".join(new)),
-            ("PEXPIRE", key, 2 * life_ms),
+        key = placed_blocks_key(view.id)
+        cmds = (  # (trimmed by count: by time would take this router's clock, not Redis's)
+            ("XADD", key, "MAXLEN", PLACEMENTS_KEPT, "*", "b", ",".join(new)),
+            ("PEXPIRE", key, 2 * int(worker_view.OPTIMISTIC_S * 1000)),
         )
         if self._ids is not None:
             self._ids.fire(*cmds)  # down: this placement is not shared (the next one tries)
@@ -239,14 +240,15 @@ class ClusterState:
     async def release(self, request_id: str, shared: bool = True) -> None:
         """Frees the id. On the pipelined connection the DEL is written and not waited for:
         the client had the request's last message before this ran, so waiting for Redis
-        would order nothing, and cost a round trip per request (a DEL lost with the
-        connection leaves the key to expire by itself)."""
+        would order nothing, and cost a round trip per request. While that connection is
+        down, redis-py (which connects afresh) deletes it: a key left behind would refuse
+        the client's retry under this id until it expires (INFLIGHT_TTL_S)."""
         self._inflight.discard(request_id)
         if shared and self.redis is not None:
-            if self._ids is not None:
-                self._ids.fire(("DEL", inflight_key(request_id)))
+            key = inflight_key(request_id)
+            if self._ids is not None and self._ids.fire(("DEL", key)):
                 return
             try:
-                await self.redis.delete(inflight_key(request_id))
+                await self.redis.delete(key)
             except (redis.RedisError, OSError):
                 pass  # the key expires by itself

@@ -17,7 +17,6 @@ from megaserve.state_keys import (
     worker_key,
     workers_set,
 )
-from router import worker_view
 from router.worker_view import WorkerView
 
 log = structlog.get_logger("megaserve.router.state")
@@ -43,11 +42,10 @@ async def read_workers(
     ids = [_text(m) for ms in await pipe.execute() for m in ms]
     pipe = r.pipeline(transaction=False)
     pipe.time()  # placements expire by Redis's clock (their ids): no skew between routers
-    first = str(int(time.time() * 1000 - worker_view.OPTIMISTIC_S * 1000))  # a new view's
     for wid in ids:
         pipe.hgetall(worker_key(wid))
         seen_id = known[wid].placed_seen if wid in known else None
-        start = f"({seen_id}" if seen_id else first  # only the entries not read yet
+        start = f"({seen_id}" if seen_id else "-"  # the entries not read yet (at most kept)
         pipe.xrange(placed_blocks_key(wid), min=start, count=PLACEMENTS_PER_READ)
     clock, *res = await pipe.execute()
     now_ms = clock[0] * 1000 + clock[1] / 1000

@@ -11,7 +11,7 @@ def test_the_view_follows_churning_block_sets():
     assert [r["blocks_replaced_per_beat"] for r in out["rows"]] == [0, 7]
     for r in out["rows"]:
         assert r["view_equals_the_sets"], r
-        assert 0 < r["cpu_ms_per_refresh_median"] <= r["cpu_ms_per_refresh_mean"] * 12
+        assert r["cpu_ms_per_refresh_median"] > 0
     # One placement per 0.2 s tick on each worker, each expected for OPTIMISTIC_S (5 s): the
     # reader holds the last ~25 placements' 3 blocks (fewer on a slow host).
     assert 15 <= out["placed"]["blocks_expected_on_w0"] <= 78  # (at most 26 in 5 s)

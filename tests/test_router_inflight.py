@@ -159,6 +159,25 @@ def test_only_client_ids_are_claimed_in_redis(redis_server):
     asyncio.run(main())
 
 
+def test_an_id_is_freed_while_the_pipelined_connection_is_down(redis_server):
+    """A fired DEL needs the connection: while it is down, the id is deleted through redis-py
+    instead of being left to refuse the client's retry for INFLIGHT_TTL_S."""
+    r = redis.Redis.from_url(redis_server.url)
+
+    async def main():
+        state = ClusterState(redis_server.url)
+        assert await state.claim("cid", "r1", 3600)
+        state._ids._replies.transport.close()  # Redis (or a proxy) closed the connection
+        await asyncio.sleep(0.05)
+        await state.release("cid")
+        gone = r.get(inflight_key("cid")) is None
+        again = await state.claim("cid", "r2", 3600)  # the retry, on a new connection
+        await state.stop()
+        return gone, again
+
+    assert asyncio.run(main()) == (True, True)
+
+
 LOG_SCRIPT = """
 import structlog
 from megaserve.logs import configure, writer_cpu_seconds

@@ -190,28 +190,33 @@ def test_a_gone_workers_channel_closes_and_one_back_gets_a_new_one():
 
 
 def test_a_gone_workers_circuit_breaker_is_dropped_with_it():
-    """Worker ids are new at every start: the breaker of one that died must not stay for ever
-    (one per restart). One back within the grace keeps its breaker (a flapping heartbeat)."""
+    """Worker ids are new at every start, even on the same address: the breaker of one that
+    died must not stay for ever (one per restart). One back within the grace (a heartbeat
+    late) keeps its breaker."""
 
     async def main():
         state = ClusterState(None)
         a, b = worker_view("a", "decode", "127.0.0.1:1"), worker_view("b", "decode", "127.0.0.1:2")
         state.workers = {"a": a, "b": b}
         disp = Dispatcher(state, RouterConfig(worker_gone_s=5.0))
-        clock = disp.watch._clock = FakeClock()
-        await disp._view_changed()
+        clock = disp.breakers.clock = FakeClock()
         for wid in ("a", "b"):
             for _ in range(disp.cfg.circuit_breaker_failures):
                 disp.breakers.failure(wid)
-        state.workers = {"a": a}  # b's heartbeat stops
+        b2 = worker_view("b2", "decode", "127.0.0.1:2")  # b restarted on its address
+        state.workers = {"b2": b2}  # a's heartbeat is late
         await disp._view_changed()
         clock.advance(4.0)
+        state.workers = {"a": a, "b2": b2}  # a is back within the grace
         await disp._view_changed()
-        assert disp.breakers.is_open("b")  # within the grace: it may come back
+        assert disp.breakers.is_open("a") and disp.breakers.is_open("b")  # b: 4 s of 5
         clock.advance(1.0)
-        await disp._view_changed()  # gone
-        assert not disp.breakers.is_open("b") and disp.breakers.is_open("a")
+        await disp._view_changed()
+        assert disp.breakers.is_open("a") and not disp.breakers.is_open("b")
         assert len(disp.breakers) == 1
+        state.workers = {"b2": b2}  # a late again: its grace starts again
+        await disp._view_changed()
+        assert disp.breakers.is_open("a")
         await disp.close()
 
     asyncio.run(main())
