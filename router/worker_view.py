@@ -12,8 +12,8 @@ from megaserve.state_keys import WorkerInfo, block_hex
 
 # Blocks a router predicts a worker now holds (it just sent a prompt there) are trusted this
 # long before the worker's own published set must confirm them. Routers share them through
-# Redis with wall-clock expiries: clock skew between router hosts (NTP: milliseconds) only
-# moves that end a little.
+# Redis, timed by Redis's clock (a placement stream entry's id), so router clocks do not
+# matter.
 OPTIMISTIC_S = 5.0
 
 
