@@ -12,6 +12,7 @@ from collections import deque
 from pathlib import Path
 
 from megaserve.state_keys import WorkerInfo, block_hex
+from megaserve_app.bench.summary import run_stats
 
 REFRESHES_PER_BEAT = 5  # the router's 0.2 s refresh against the workers' 1 s heartbeat
 
@@ -39,6 +40,14 @@ class _Blocks:
             self.next += 1
 
 
+def _cpu_per_refresh(seconds: list[float]) -> dict:
+    """The bench statistic (summary.run_stats' median) of refreshes' CPU, and their mean."""
+    return {
+        "cpu_ms_per_refresh_median": round(run_stats(seconds).median_ms, 3),
+        "cpu_ms_per_refresh_mean": round(1000 * sum(seconds) / len(seconds), 3),
+    }
+
+
 async def _refreshes(url: str, sources, beats, n: int, churn: int) -> dict:
     from router.state import ClusterState
 
@@ -58,11 +67,9 @@ async def _refreshes(url: str, sources, beats, n: int, churn: int) -> dict:
             state.workers[f"w{w}"].blocks == {block_hex(h) for h in src.hashes}
             for w, src in enumerate(sources)
         )
-        cpu.sort()
         return {
             "blocks_replaced_per_beat": churn,
-            "cpu_ms_per_refresh_median": round(1000 * cpu[len(cpu) // 2], 3),
-            "cpu_ms_per_refresh_mean": round(1000 * sum(cpu) / len(cpu), 3),
+            **_cpu_per_refresh(cpu),
             "view_equals_the_sets": exact,
         }
     finally:
@@ -96,12 +103,10 @@ async def _placements(url: str, workers: int, per_s: int, blocks: int, n: int) -
             t = time.thread_time()
             await reader.refresh()
             cpu.append(time.thread_time() - t)
-        last = sorted(cpu[-n:])
         return {
             "placements_per_s_per_worker": per_s,
             "blocks_per_placement": blocks,
-            "cpu_ms_per_refresh_median": round(1000 * last[len(last) // 2], 3),
-            "cpu_ms_per_refresh_mean": round(1000 * sum(last) / len(last), 3),
+            **_cpu_per_refresh(cpu[-n:]),
             "blocks_expected_on_w0": len(reader.workers["w0"].optimistic),
         }
     finally:
