@@ -17,15 +17,11 @@ from megaserve.state_keys import (
     worker_key,
     workers_set,
 )
-from router.worker_view import WorkerView
+from router.worker_view import WorkerView, text
 
 log = structlog.get_logger("megaserve.router.state")
 # Placements read per worker per refresh (the rest at the next): bounds one refresh's work.
 PLACEMENTS_PER_READ = 10_000
-
-
-def _text(v) -> str:
-    return v.decode() if isinstance(v, bytes) else v
 
 
 async def read_workers(
@@ -39,7 +35,7 @@ async def read_workers(
     pipe = r.pipeline(transaction=False)
     for role in ("decode", "prefill"):
         pipe.smembers(workers_set(role))
-    ids = [_text(m) for ms in await pipe.execute() for m in ms]
+    ids = [text(m) for ms in await pipe.execute() for m in ms]
     pipe = r.pipeline(transaction=False)
     pipe.time()  # placements expire by Redis's clock (their ids): no skew between routers
     for wid in ids:
@@ -49,7 +45,7 @@ async def read_workers(
         pipe.xrange(placed_blocks_key(wid), min=start, count=PLACEMENTS_PER_READ)
     clock, *res = await pipe.execute()
     now_ms = clock[0] * 1000 + clock[1] / 1000
-    records = {wid: ({_text(k): _text(v) for k, v in res[2 * i].items()}, res[2 * i + 1])
+    records = {wid: ({text(k): text(v) for k, v in res[2 * i].items()}, res[2 * i + 1])
                for i, wid in enumerate(ids)}  # fmt: skip
     pipe, reads = r.pipeline(transaction=False), []
     for wid, (h, _) in records.items():
@@ -83,7 +79,7 @@ async def read_workers(
             continue
         version = records[wid][0].get(BLOCKS_VERSION)
         if not deltas:
-            view.blocks, view.blocks_version = frozenset(_text(b) for b in value), version
+            view.blocks, view.blocks_version = frozenset(text(b) for b in value), version
         elif None in value:  # a change no longer kept, or a rewrite: the next refresh reads all
             view.blocks_version = None
         else:
@@ -110,7 +106,7 @@ def _apply(blocks: frozenset[str], deltas: list) -> frozenset[str]:
     """blocks after each change of `deltas` in order ("added,...|removed,...")."""
     out = set(blocks)
     for d in deltas:
-        added, _, removed = _text(d).partition("|")
+        added, _, removed = text(d).partition("|")
         out.difference_update(removed.split(",") if removed else ())
         out.update(added.split(",") if added else ())
     return frozenset(out)

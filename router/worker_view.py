@@ -17,6 +17,11 @@ from megaserve.state_keys import WorkerInfo, block_hex
 OPTIMISTIC_S = 5.0
 
 
+def text(v: bytes | str) -> str:
+    """A Redis reply's value as text (redis-py returns bytes unless decode_responses)."""
+    return v.decode() if isinstance(v, bytes) else v
+
+
 class _PrefixHexes:
     """Hex block hashes of recent prompts: placing one request asks for the same prompt's
     several times (each policy, each worker, the dispatcher), and a long prompt's hashes
@@ -116,12 +121,11 @@ class WorkerView:
         `placed_seen`, read when Redis's clock said now_ms) that the worker's own set does
         not confirm yet, for what is left of OPTIMISTIC_S from each entry's id."""
         for eid, fields in entries:
-            eid = eid.decode() if isinstance(eid, bytes) else eid
+            eid = text(eid)
             self.placed_seen = eid
             until = now + (int(eid.partition("-")[0]) + OPTIMISTIC_S * 1000 - now_ms) / 1000
             if until <= now:
                 continue
-            hexes = fields.get(b"b", fields.get("b", b""))
-            for h in (hexes.decode() if isinstance(hexes, bytes) else hexes).split(","):
+            for h in text(fields.get(b"b", fields.get("b", b""))).split(","):
                 if h and h not in self.blocks and until > self.optimistic.get(h, 0.0):
                     self.optimistic[h] = until
