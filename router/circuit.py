@@ -6,6 +6,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from router.absence import Absences
+
 
 @dataclass
 class _Breaker:
@@ -22,7 +24,7 @@ class CircuitBreakers:
         self.threshold, self.reset_s = failures, reset_s
         self.clock = clock  # seconds, monotonic; tests inject a fake one
         self._b: dict[str, _Breaker] = {}
-        self._absent: dict[str, float] = {}  # worker id -> when follow_view first missed it
+        self._absent = Absences()  # breakers' worker ids missing from the view
 
     def allows(self, worker_id: str) -> bool:
         b = self._b.get(worker_id)
@@ -62,14 +64,8 @@ class CircuitBreakers:
         worker's id is new each time it starts (even on the same address), so a breaker
         opened by one that died would otherwise be kept for ever, one per restart. One back
         within the grace (a heartbeat late, Redis restarted empty) keeps its breaker."""
-        now, present = self.clock(), set(worker_ids)
-        for wid in list(self._b):
-            if wid in present:
-                self._absent.pop(wid, None)
-            elif now - self._absent.setdefault(wid, now) >= grace_s:
-                del self._b[wid], self._absent[wid]
-        for wid in [w for w in self._absent if w not in self._b]:  # closed since (success)
-            del self._absent[wid]
+        for wid in self._absent.follow(self._b, set(worker_ids), self.clock(), grace_s):
+            del self._b[wid]
 
     def __len__(self) -> int:
         return len(self._b)

@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterable
 
 import structlog
 
+from router.absence import Absences
+
 log = structlog.get_logger("megaserve.router")
 
 
@@ -29,20 +31,15 @@ class WorkerWatch:
     ):
         self.grace_s, self._on_gone, self._clock = grace_s, on_gone, clock
         self._known: set[str] = set()
-        self._absent: dict[str, float] = {}  # address -> when it was first missing
+        self._absent = Absences()  # known addresses missing from the view
         self._waiters: dict[str, set[asyncio.Future]] = {}
 
     def update(self, addresses: Iterable[str]) -> list[str]:
         """Takes the view's addresses now; returns the addresses found gone by this call."""
-        now, present = self._clock(), set(addresses)
-        for a in present:
-            self._absent.pop(a, None)
-        for a in self._known - present:
-            self._absent.setdefault(a, now)
+        present = set(addresses)
         self._known |= present
-        gone = [a for a, t in self._absent.items() if now - t >= self.grace_s]
+        gone = self._absent.follow(self._known, present, self._clock(), self.grace_s)
         for a in gone:
-            del self._absent[a]
             self._known.discard(a)
             why = f"worker {a} left the view: its heartbeat expired over {self.grace_s:g} s ago"
             log.warning("worker gone; its requests move", address=a, grace_s=self.grace_s)

@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from megaserve.rpc import decode_pb2, decode_pb2_grpc
+from router.absence import Absences
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.state import ClusterState
@@ -220,3 +221,17 @@ def test_a_gone_workers_circuit_breaker_is_dropped_with_it():
         await disp.close()
 
     asyncio.run(main())
+
+
+def test_an_absence_ends_when_the_key_is_back_or_no_longer_tracked():
+    """A key's absence starts again from zero after it was back or untracked (a breaker
+    closed by a success and opened again later gets a whole grace)."""
+    absent = Absences()
+    assert absent.follow({"a", "b"}, set(), now=0.0, grace_s=5.0) == []
+    assert absent.follow({"a", "b"}, {"a"}, now=3.0, grace_s=5.0) == []  # a is back
+    assert absent.follow({"a"}, set(), now=4.0, grace_s=5.0) == []  # b no longer tracked
+    assert absent.follow({"a", "b"}, set(), now=8.0, grace_s=5.0) == []  # both from 4 / 8
+    assert absent.follow({"a", "b"}, set(), now=9.0, grace_s=5.0) == ["a"]
+    assert len(absent) == 1
+    assert absent.follow({"b"}, set(), now=13.0, grace_s=5.0) == ["b"]
+    assert len(absent) == 0
