@@ -62,7 +62,11 @@ class Heartbeat:
         # making progress withdraws its record (routers stop placing there) until it moves.
         self.alive = alive
         self.paused = False
-        self._resync_at = 0.0  # monotonic time of the next full block-set rewrite
+        self._resync_at = 0.0  # monotonic time of the next periodic rewrite of the set
+        # The next beat rewrites the set whole with a version that has no delta, so routers
+        # read it whole: at start, after a failed write, after Redis lost the set.
+        self._rewrite = True
+        self._written: int | None = None  # the BLOCKS_VERSION of the last beat written
         # BLOCKS_VERSION: starts at the time, so a restarted heartbeat never repeats one.
         self.blocks_version = time.time_ns()
         self.healthy = False
@@ -75,35 +79,61 @@ class Heartbeat:
         return self
 
     def beat(self) -> None:
+        if not self._beat_once():
+            self._beat_once()  # Redis lost what this worker wrote: the whole set, now
+
+    def _beat_once(self) -> bool:
+        """One transaction: the record, its TTL and the block set's changes; False when Redis
+        no longer held the version this worker wrote last (it restarted or was flushed, a
+        replica without the last writes took over, the record expired), the set then being
+        unknown: the next beat rewrites it whole."""
         w = self.info()
         pipe = self.client.pipeline()
+        if self.blocks is not None:
+            pipe.hget(worker_key(w.worker_id), BLOCKS_VERSION)  # read inside the transaction
         pipe.hset(worker_key(w.worker_id), mapping=w.to_hash())
         pipe.pexpire(worker_key(w.worker_id), int(self.ttl * 1000))
         pipe.sadd(workers_set(w.role), w.worker_id)
+        rewrite = False
         if self.blocks is not None:
-            change = self._publish_blocks(pipe, worker_blocks_key(w.worker_id))
-            if change is not None:
+            events = self.blocks.block_events
+            if len(events) == events.maxlen:
+                self._rewrite = True  # events were dropped: the change is unknown
+            rewrite = self._rewrite
+            change = self._publish_blocks(pipe, worker_blocks_key(w.worker_id), rewrite)
+            deltas = block_deltas_key(w.worker_id)
+            if rewrite:  # routers behind it read the set whole: no delta, none older kept
                 self.blocks_version += 1
-                deltas, v = block_deltas_key(w.worker_id), self.blocks_version
-                if change:  # routers at the previous version apply it ("": rewritten whole)
-                    pipe.hset(deltas, str(v), change)
-                pipe.hdel(deltas, str(v - DELTAS_KEPT))
+                pipe.delete(deltas)
+            elif change:  # routers at the previous version apply it
+                self.blocks_version += 1
+                pipe.hset(deltas, str(self.blocks_version), change)
+                pipe.hdel(deltas, str(self.blocks_version - DELTAS_KEPT))
                 pipe.pexpire(deltas, int(self.ttl * 1000))
             pipe.hset(worker_key(w.worker_id), BLOCKS_VERSION, self.blocks_version)
         try:
-            pipe.execute()
+            res = pipe.execute()
         except redis.RedisError:
-            self._resync_at = 0.0  # deltas drained into a failed write: rewrite next time
+            self._rewrite = True  # deltas drained into a failed write: rewrite next time
             raise
         self.beats += 1
+        if self.blocks is None:
+            return True
+        held, written, self._written = res[0], self._written, self.blocks_version
+        self._rewrite = False
+        if rewrite or (held is not None and int(held) == written):
+            return True
+        # (Every beat, if another process beats under this worker's id.)
+        log.warning("redis lost this worker's block set; rewriting it", held=held, wrote=written)
+        self._rewrite = True
+        return False
 
-    def _publish_blocks(self, pipe, key: str) -> str | None:
-        """Adds this worker's block changes since the last beat (or the whole set) to pipe;
-        returns the change as block_deltas_key holds it, "" for the whole set, None for no
-        change."""
-        events = self.blocks.block_events
-        now = time.monotonic()
-        full = now >= self._resync_at or len(events) == events.maxlen
+    def _publish_blocks(self, pipe, key: str, rewrite: bool) -> str | None:
+        """Adds this worker's block changes since the last beat to pipe, or the whole set (a
+        rewrite, or every RESYNC_S to heal whatever else changed it); returns the change as
+        block_deltas_key holds it ("added,...|removed,..."), None for none."""
+        events, now = self.blocks.block_events, time.monotonic()
+        full = rewrite or now >= self._resync_at
         last: dict[int, int] = {}
         while True:  # drain first, then snapshot: later events are applied next beat
             try:
@@ -111,6 +141,8 @@ class Heartbeat:
             except IndexError:
                 break
             last[h] = op
+        added = [block_hex(h) for h, op in last.items() if op > 0]
+        removed = [block_hex(h) for h, op in last.items() if op < 0]
         if full:
             pipe.delete(key)
             hashes = self.blocks.cached_hashes()
@@ -118,15 +150,11 @@ class Heartbeat:
                 pipe.sadd(key, *map(block_hex, hashes))
             self._resync_at = now + self.RESYNC_S
         else:
-            added = [block_hex(h) for h, op in last.items() if op > 0]
-            removed = [block_hex(h) for h, op in last.items() if op < 0]
             if removed:
                 pipe.srem(key, *removed)
             if added:
                 pipe.sadd(key, *added)
         pipe.pexpire(key, int(self.ttl * 1000))
-        if full:
-            return ""
         return f"{','.join(added)}|{','.join(removed)}" if last else None
 
     def _run(self) -> None:
@@ -139,7 +167,7 @@ class Heartbeat:
                 self._stop.wait(self.interval)
                 continue
             if self.paused:
-                self._resync_at = 0.0  # the withdrawn block set is rewritten whole
+                self._rewrite = True  # the withdrawn block set is rewritten whole
             self.paused = False
             try:
                 self.beat()

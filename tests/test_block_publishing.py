@@ -4,7 +4,9 @@ read a worker's set again only when its version moved."""
 from __future__ import annotations
 
 import asyncio
+import time
 
+import pytest
 import redis
 
 from megaserve.kv.allocator import PageAllocator
@@ -46,9 +48,10 @@ def test_blocks_follow_register_and_evict(redis_server):
     fresh = alloc.allocate(2)  # evicts the two least recently used blocks
     hb.beat()
     assert _members(r) == {block_hex(h) for h in hashes[2:]}
-    # Redis loses everything (restart): the next beat after a failure rewrites the whole set.
+    # Redis loses everything and the worker's connection sees no error (flushed, or restarted
+    # between beats: redis-py reconnects): the next beat finds the version it wrote gone and
+    # rewrites the whole set at once.
     r.flushall()
-    hb._resync_at = 0.0
     hb.beat()
     assert _members(r) == {block_hex(h) for h in hashes[2:]}
     assert 0 < r.pttl(worker_blocks_key("w1")) <= 30_000
@@ -73,6 +76,43 @@ def test_redis_down_then_back_resyncs(redis_server):
     hb.beat()  # the failed beat's deltas are gone: this one rewrites the set
     r = redis.Redis.from_url(redis_server.url)
     assert _members(r) == {block_hex(12345)}
+    redis_server.kill()  # down and back between two beats: no beat fails
+    redis_server.start()
+    p = alloc.allocate(1)
+    alloc.register(p[0], 678)
+    hb.beat()
+    assert _members(r) == {block_hex(12345), block_hex(678)}
+
+
+def test_beats_failing_while_redis_keeps_its_data_leave_no_deltas_behind(redis_server):
+    """Beats that time out while Redis keeps its data (here: Redis pauses its writers past
+    the heartbeat's 1 s timeout) end in a rewrite, which drops every older delta: the
+    deltas hash stays within DELTAS_KEPT however many outages a busy worker sees."""
+    r = redis.Redis.from_url(redis_server.url)
+    alloc = PageAllocator(DELTAS_KEPT + 2, 4)
+    hb = Heartbeat(redis_server.url, _info, ttl=30, blocks=alloc)
+    n = 0
+
+    def change_and_beat() -> None:
+        nonlocal n
+        n += 1
+        p = alloc.allocate(1)  # evicts the least recently used block
+        alloc.register(p[0], n)
+        alloc.release(p)
+        hb.beat()
+
+    for _ in range(DELTAS_KEPT + 4):
+        change_and_beat()
+    for _ in range(2):  # two outages
+        r.client_pause(1500, all=False)  # WRITE: reads (this client's) go on
+        with pytest.raises(redis.RedisError):
+            change_and_beat()
+        time.sleep(0.6)  # the pause is over
+        for _ in range(DELTAS_KEPT + 1):  # the window moves past any delta left
+            change_and_beat()
+        assert 0 < r.hlen(block_deltas_key("w1")) <= DELTAS_KEPT
+    assert _members(r) == {block_hex(h) for h in alloc.cached_hashes()}
+    hb.stop(deregister=True)
 
 
 def test_a_router_reads_a_block_set_again_only_when_it_moved(redis_server):
@@ -128,8 +168,12 @@ def test_a_router_reads_a_block_set_again_only_when_it_moved(redis_server):
             alloc.release(p)
             hb.beat()
 
-        hb._resync_at = 0.0  # the next beat rewrites the set whole: no delta for it
+        hb._resync_at = 0.0  # the periodic rewrite: the set whole, its change still a delta
         replace_one(779)
+        assert await reads(state, 2) == (0, 1)
+        assert state.workers["w1"].blocks == published()
+        hb._rewrite = True  # a rewrite after a failed write: its version has no delta
+        replace_one(780)
         assert await reads(state, 2) == (1, 1)  # the missing delta, then the whole set
         assert state.workers["w1"].blocks == published()
         for i in range(DELTAS_KEPT + 1):  # further behind than the deltas kept
