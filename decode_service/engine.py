@@ -16,9 +16,10 @@ import structlog
 from decode_service.commands import Commands
 from decode_service.emission import Emission
 from decode_service.events import TokenEvent, top_logprobs
+from decode_service.imported import ImportedKV
 from decode_service.prefill_step import PrefillStep, PromptScoring
 from decode_service.programs import engine_programs, fit_running, step_config
-from decode_service.reservations import Reservation, Reservations
+from decode_service.reservations import Reservations
 from decode_service.scheduler import Scheduler, SchedulerConfig
 from decode_service.sequence import Sequence
 from decode_service.step_failures import StepFailures
@@ -64,7 +65,7 @@ class EngineConfig:
     cpu_turns: str = ""
 
 
-class DecodeEngine(Commands, Emission, StepFailures, PrefillStep):
+class DecodeEngine(Commands, Emission, StepFailures, PrefillStep, ImportedKV):
     """Owns the pool, allocator, scheduler, reservations and runner; the public methods are
     safe from any thread (the engine thread owns all state below them)."""
 
@@ -178,11 +179,17 @@ class DecodeEngine(Commands, Emission, StepFailures, PrefillStep):
             self.requests += 1
         if attaching:
             try:
-                self._call(self.reservations.attach, seq)
+                if self._call(self.reservations.attach, seq):
+                    return
             except RequestError:
                 self._forget(seq.request_id)
                 raise
-            return
+            except BaseException:  # the engine did not answer: nothing is kept if it does
+                self._forget(seq.request_id)
+                self._submit(self.reservations.drop, seq.request_id)
+                raise
+            # Dropped since (its push failed, its lease ended): prefilled here, as a request
+            # that came without one.
         self._inbox.put(seq)
         self._wake.set()
 
@@ -194,46 +201,22 @@ class DecodeEngine(Commands, Emission, StepFailures, PrefillStep):
 
     def cancel(self, request_id: str) -> bool:
         """Cancels a live request or drops a reservation; False if the id is unknown."""
-        if request_id in self.reservations:
-            return self._call(self.reservations.drop, request_id)
+        return self.cancel_soon(request_id).result(timeout=30)
+
+    def cancel_soon(self, request_id: str) -> Future:
+        """cancel without waiting (a Future of its answer). Decided on the engine thread in
+        order with the commands before it: a KV commit queued first has started the request,
+        which is then cancelled, not left decoding for nobody."""
+        return self._submit(self._cancel_now, request_id)
+
+    def _cancel_now(self, request_id: str) -> bool:
+        if self.reservations.drop(request_id):  # (a Generate call waiting on it ends too)
+            return True
         with self._lock:
             known = request_id in self._live
             if known:
-                self._cancel.add(request_id)
-        self._wake.set()
+                self._cancel.add(request_id)  # ended at the iteration's _apply_cancels
         return known
-
-    def reserve(self, request_id: str, prompt: list[int], lease_s: float) -> Reservation:
-        """Holds pages for prompt (prefix hits included) until KV arrives or the lease ends.
-
-        A reservation is a request that will queue here: a full queue refuses it now
-        (NoCapacity), before a prefill worker computes KV that could not be used."""
-        self.validate(prompt, 1)
-        if request_id in self._live:
-            raise DuplicateRequest(f"request_id {request_id!r} is already reserved or running")
-        self._check_queue(len(self.reservations))
-        return self._call(self.reservations.reserve, request_id, prompt, lease_s)
-
-    def reservation(self, request_id: str) -> Reservation | None:
-        return self.reservations.get(request_id)
-
-    def drop_reservation(self, request_id: str) -> bool:
-        """Frees a reservation (e.g. after a failed transfer); False if unknown."""
-        return self._call(self.reservations.drop, request_id)
-
-    def write_import(self, res: Reservation, blocks: list) -> Future:
-        """Writes blocks of imported pages (KVImport.take_ready) into `res`'s pages ahead of
-        its commit, on the engine thread; returns at once (a Future of whether it wrote)."""
-        return self._submit(self.reservations.write, res, blocks)
-
-    def commit_import(self, res: Reservation, first_token: int, blocks: list) -> None:
-        """Writes the last imported pages (KVImport.take_ready) and readies the request;
-        ReservationGone when `res` is no longer open."""
-        self._call(self.reservations.commit, res, first_token, blocks)
-
-    @property
-    def expired_reservations(self) -> int:
-        return self.reservations.expired
 
     @property
     def live_count(self) -> int:
@@ -262,25 +245,6 @@ class DecodeEngine(Commands, Emission, StepFailures, PrefillStep):
             self._scoring.pop(request_id, None)
 
     # -- engine thread -----------------------------------------------------------------
-    def _start_imported(self, res: Reservation) -> None:
-        """The reservation's pages become the sequence's; it decodes from the first token."""
-        seq = res.waiter
-        seq.pages = res.pages
-        seq.num_computed = len(seq.prompt)
-        seq.num_cached_tokens = res.cached_pages * self.cfg.page_size
-        seq.num_registered = res.cached_pages
-        self.sched.register_full_pages(seq)
-        seq.arrival_step = self.steps
-        self.imported_requests += 1
-        self._emit(seq, [res.first_token], first=True)
-        if seq.finish_reason is None:
-            self.sched.add_ready(seq)
-
-    def _abort_waiter(self, seq: Sequence) -> None:
-        """A Generate call waiting on a reservation that was dropped or expired."""
-        self._send(seq, [], FinishReason.ABORT, True)
-        self._forget(seq.request_id)
-
     def _loop(self) -> None:
         while not self._stop.is_set():
             self.loop_at = time.monotonic()

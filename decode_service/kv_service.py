@@ -144,7 +144,7 @@ class KVTransferServicer:
             # kept; free the reservation now rather than at the end of its lease.
             self.failures += 1
             if rid is not None and imp is not None and not (imp.complete and trailer):
-                self.engine.cancel(rid)
+                self.engine.cancel_soon(rid)
             raise
         except ReservationGone as e:  # its lease ran out during the push
             self.failures += 1

@@ -116,9 +116,12 @@ class Reservations:
         if res.waiter is not None:
             self._start(res)
 
-    def attach(self, seq: Sequence) -> None:
-        """seq (a Generate call) takes over its reservation, now or once the KV commits."""
-        res = self.open[seq.request_id]
+    def attach(self, seq: Sequence) -> bool:
+        """seq (a Generate call) takes over its reservation, now or once the KV commits;
+        False when it is gone (dropped or expired after the caller saw it)."""
+        res = self.open.get(seq.request_id)
+        if res is None:
+            return False
         if res.prompt != seq.prompt:
             raise RequestError(
                 f"request {seq.request_id!r}: prompt differs from the reserved prompt"
@@ -126,6 +129,7 @@ class Reservations:
         res.waiter = seq
         if res.first_token is not None:
             self._start(res)
+        return True
 
     def expire(self) -> None:
         now = self.clock()

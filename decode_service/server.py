@@ -166,7 +166,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         finally:
             # Client cancel, disconnect or deadline: the engine frees the pages next step.
             if not done:
-                self.engine.cancel(rid)
+                self.engine.cancel_soon(rid)  # not waited for: the loop serves other calls
 
     async def GenerateStream(self, request_iterator, context):  # noqa: N802
         async for m in self.streams.serve(self.Generate, request_iterator, context):

@@ -1,0 +1,101 @@
+"""A decode worker's reservation raced by the calls around it: a Generate call that saw the
+reservation as its push failed, and a cancel that arrives as the KV commits. The engine thread
+is held on a command so that each call lands in the window (a timing no client controls)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from decode_service.engine import DecodeEngine, EngineConfig, wait_idle
+from decode_service.sequence import Sequence
+from megaserve.finish import FinishReason
+from megaserve.sampling_params import SamplingParams
+
+PROMPT = list(range(3, 23))  # 20 tokens: two pages of 16
+
+
+def _seq(rid: str, max_tokens: int = 8) -> Sequence:
+    return Sequence(rid, list(PROMPT), SamplingParams(), max_tokens, frozenset())
+
+
+def _hold(engine: DecodeEngine) -> threading.Event:
+    """Holds the engine thread on a command until the returned event is set."""
+    gate, held = threading.Event(), threading.Event()
+
+    def block():
+        held.set()
+        gate.wait(30)
+
+    engine._submit(block)
+    assert held.wait(10)
+    return gate
+
+
+def _queued(engine: DecodeEngine, n: int) -> None:
+    end = time.monotonic() + 10
+    while engine._commands.qsize() < n:
+        assert time.monotonic() < end, "the call never reached the engine"
+        time.sleep(0.005)
+
+
+def _all_free(engine: DecodeEngine) -> bool:
+    return engine.idle and engine.alloc.num_used == 0 and not engine._sinks
+
+
+def test_a_generate_call_whose_reservation_is_dropped_meanwhile_is_served_here(tiny_model):
+    """The call saw the reservation; its push then failed (the drop is queued first): the
+    call is served as one that came without a reservation, nothing is left behind."""
+    engine = DecodeEngine(tiny_model, EngineConfig(max_context=128))
+    engine.start()
+    try:
+        engine.reserve("r", PROMPT, 60.0)
+        gate = _hold(engine)
+        dropped = engine._submit(engine.reservations.drop, "r")
+        events, out = [], {}
+
+        def generate():
+            try:
+                engine.submit(_seq("r"), events.append)
+            except BaseException as e:  # noqa: BLE001 (reported below)
+                out["error"] = e
+
+        t = threading.Thread(target=generate)
+        t.start()
+        _queued(engine, 2)  # the attach, after the drop
+        gate.set()
+        t.join(10)
+        assert dropped.result(5) is True and "error" not in out, out
+        wait_idle(engine, timeout=60)
+        assert events[-1].finish_reason is FinishReason.LENGTH
+        assert sum(len(e.token_ids) for e in events) == 8
+        assert _all_free(engine)
+    finally:
+        engine.stop()
+
+
+def test_a_cancel_that_arrives_as_the_kv_commits_ends_the_request(tiny_model):
+    """The commit is queued before the cancel: the request has started when the cancel is
+    decided, so it is cancelled (ABORT, pages freed), not left to decode for nobody."""
+    engine = DecodeEngine(tiny_model, EngineConfig(max_context=128))
+    engine.start()
+    try:
+        res = engine.reserve("c", PROMPT, 60.0)
+        events = []
+        engine.submit(_seq("c", max_tokens=60), events.append)  # attached, waiting for KV
+        gate = _hold(engine)
+        engine._submit(engine.reservations.commit, res, 5, [])
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault("known", engine.cancel("c")))
+        t.start()
+        _queued(engine, 2)  # the cancel, after the commit
+        gate.set()
+        t.join(10)
+        assert out["known"] is True
+        wait_idle(engine, timeout=60)
+        assert events[-1].finish_reason is FinishReason.ABORT
+        assert sum(len(e.token_ids) for e in events) < 60
+        assert _all_free(engine)
+        assert engine.cancel("c") is False  # gone: Release answers NOT_FOUND
+    finally:
+        engine.stop()
