@@ -113,12 +113,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         deadline = None if left is None else self.engine.clock() + left
         try:
             seq = sequence_from_request(request, self.engine.model.eos_token_ids)
-            self.engine.submit(
+            args = (
                 seq,
                 lambda e: loop.call_soon_threadsafe(events.put_nowait, e),
                 deadline,
                 prompt_logprobs_of(request),
             )
+            if rid in self.engine.reservations:  # attaching waits for the engine thread
+                await self._attach(rid, args)
+            else:
+                self.engine.submit(*args)
         except (RequestError, NoCapacity) as e:
             await abort_for(context, e)  # a full queue: RESOURCE_EXHAUSTED + retry-after-ms
         done = False
@@ -167,6 +171,22 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             # Client cancel, disconnect or deadline: the engine frees the pages next step.
             if not done:
                 self.engine.cancel_soon(rid)  # not waited for: the loop serves other calls
+
+    async def _attach(self, rid: str, args: tuple) -> None:
+        """engine.submit off the event loop (its attach waits for the engine thread). A call
+        cancelled meanwhile cancels the request once the submit is in: before, the attach
+        could land after the cancel and run the request for nobody."""
+        submit = asyncio.ensure_future(asyncio.to_thread(self.engine.submit, *args))
+        try:
+            await asyncio.shield(submit)
+        except asyncio.CancelledError:
+
+            def then_cancel(t: asyncio.Future) -> None:
+                if not t.cancelled() and t.exception() is None:
+                    self.engine.cancel_soon(rid)
+
+            submit.add_done_callback(then_cancel)
+            raise
 
     async def GenerateStream(self, request_iterator, context):  # noqa: N802
         async for m in self.streams.serve(self.Generate, request_iterator, context):

@@ -4,13 +4,19 @@ is held on a command so that each call lands in the window (a timing no client c
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
+import grpc
+
 from decode_service.engine import DecodeEngine, EngineConfig, wait_idle
 from decode_service.sequence import Sequence
+from decode_service.server import create_server
 from megaserve.finish import FinishReason
+from megaserve.rpc import decode_pb2, decode_pb2_grpc
 from megaserve.sampling_params import SamplingParams
+from megaserve.server_thread import ServerThread
 
 PROMPT = list(range(3, 23))  # 20 tokens: two pages of 16
 
@@ -98,4 +104,36 @@ def test_a_cancel_that_arrives_as_the_kv_commits_ends_the_request(tiny_model):
         assert _all_free(engine)
         assert engine.cancel("c") is False  # gone: Release answers NOT_FOUND
     finally:
+        engine.stop()
+
+
+def test_a_generate_call_cancelled_while_it_attaches_leaves_nothing(tiny_model):
+    """The decode server attaches off its event loop; a call cancelled while the attach waits
+    for the engine thread cancels the request once the attach is in (before its lease)."""
+    engine = DecodeEngine(tiny_model, EngineConfig(max_context=128))
+    engine.start()
+    servers = ServerThread(lambda: create_server(engine))
+    try:
+        engine.reserve("g", PROMPT, 60.0)
+        gate = _hold(engine)
+
+        async def main():
+            async with grpc.aio.insecure_channel(servers.addresses[0]) as ch:
+                call = decode_pb2_grpc.DecodeStub(ch).Generate(
+                    decode_pb2.GenerateRequest(
+                        request_id="g",
+                        prompt_token_ids=PROMPT,
+                        stopping=decode_pb2.StoppingParams(max_tokens=8),
+                    )
+                )
+                await asyncio.to_thread(_queued, engine, 1)  # its attach waits
+                call.cancel()
+
+        asyncio.run(main())
+        gate.set()
+        wait_idle(engine, timeout=10)  # not the 60 s lease
+        assert _all_free(engine)
+    finally:
+        gate.set()
+        servers.stop()
         engine.stop()
