@@ -4,10 +4,11 @@ step computes on the device."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 
 # How often a wait for the step in flight looks at its results (a queue wait's timeout): a
 # command is served at once; the step's end is noticed within this.
@@ -57,8 +58,15 @@ class Commands:
 
 
 def _run(item: tuple[Future, Callable, tuple]) -> None:
+    """Runs a command even if its caller cancelled the Future meanwhile (a KV push whose
+    sender left: what it asked for still happens, in order); the answer then goes nowhere,
+    and never out of the step that serves it (it would fail the step's whole batch)."""
     fut, fn, args = item
     try:
-        fut.set_result(fn(*args))
+        out = fn(*args)
     except Exception as e:  # surfaced to the caller's thread
-        fut.set_exception(e)
+        with contextlib.suppress(InvalidStateError):
+            fut.set_exception(e)
+        return
+    with contextlib.suppress(InvalidStateError):
+        fut.set_result(out)

@@ -137,3 +137,41 @@ def test_a_generate_call_cancelled_while_it_attaches_leaves_nothing(tiny_model):
         gate.set()
         servers.stop()
         engine.stop()
+
+
+def test_a_command_its_caller_cancelled_does_not_fail_the_step_that_serves_it(tiny_model):
+    """A KV push cancelled while it awaits a page write cancels the write's Future; the
+    engine still runs the write during a decode step, and the step's batch is unharmed."""
+    engine = DecodeEngine(tiny_model, EngineConfig(max_context=256))
+    engine.start()
+    try:
+        events = []
+        engine.submit(_seq("victim", max_tokens=40), events.append)
+        res = engine.reserve("pushed", PROMPT, 60.0)
+        real, entered, gate = engine.runner.decode, threading.Event(), threading.Event()
+
+        def decode(batch, sampling, n, want, serve_until):
+            if not gate.is_set():
+                entered.set()
+                gate.wait(10)
+            # The step lasts until the queued command is served: it runs inside the step.
+            return real(
+                batch,
+                sampling,
+                n,
+                want,
+                lambda done: serve_until(lambda: done() and engine._commands.empty()),
+            )
+
+        engine.runner.decode = decode
+        assert entered.wait(30)
+        engine.write_import(res, []).cancel()
+        gate.set()
+        engine.cancel("pushed")
+        wait_idle(engine, timeout=60)
+        assert engine.step_failures == 0
+        assert events[-1].finish_reason is FinishReason.LENGTH
+        assert sum(len(e.token_ids) for e in events) == 40
+    finally:
+        gate.set()
+        engine.stop()
