@@ -59,6 +59,7 @@ class KVTransferServicer:
         t0 = time.perf_counter()
         staging = None  # the previous chunk's validation and copy, run off the loop
         writes: list = []  # Futures of blocks written into the reservation ahead of commit
+        committing = False  # the commit is on its way to the engine (it lands, cancel or not)
 
         async def pulls_started() -> str:
             """How many of the push's pull chunks, in order, a pull was started for (the
@@ -136,6 +137,7 @@ class KVTransferServicer:
                 )
             for w in writes:  # in order; each True unless the reservation went meanwhile
                 await asyncio.wrap_future(w)
+            committing = True
             await asyncio.to_thread(
                 self.engine.commit_import, res, trailer.first_token, imp.take_ready()
             )
@@ -143,7 +145,7 @@ class KVTransferServicer:
             # The sender vanished mid-transfer (killed, disconnected): nothing partial is
             # kept; free the reservation now rather than at the end of its lease.
             self.failures += 1
-            if rid is not None and imp is not None and not (imp.complete and trailer):
+            if imp is not None and not committing:  # (imp: this push holds the reservation)
                 self.engine.cancel_soon(rid)
             raise
         except ReservationGone as e:  # its lease ran out during the push

@@ -181,8 +181,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
         # The header goes out before the compute starts: a decode worker that refuses it (no
         # reservation) can answer before chunks follow, so its status is the one we report.
-        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
-            await call.write(header)  # on failure the status comes from awaiting the call
+        try:
+            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                await call.write(header)  # on failure the status comes from awaiting the call
+        except BaseException:  # cancelled: the push (a call of ours) does not end by itself
+            call.cancel()
+            raise
         writing = asyncio.ensure_future(writer())
         left = context.time_remaining()
         deadline = None if left is None else self.engine.clock() + left
@@ -207,7 +211,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             outbox.put_nowait(wire.trailer(result.first_token))
             outbox.put_nowait(_DONE)
             if on_first is not None:
-                await on_first(result.first_token, result.compute_s)
+                try:
+                    await on_first(result.first_token, result.compute_s)
+                except BaseException:  # cancelled: stop the push before its offers are ended
+                    call.cancel()
+                    writing.cancel()
+                    raise
         try:
             await call
         except asyncio.CancelledError:
