@@ -31,6 +31,10 @@ from router.view_read import read_workers
 from router.worker_view import WorkerView
 
 log = structlog.get_logger("megaserve.router.state")
+# Deletes KEYS[1] only while it holds ARGV[1] (the claim is this router's).
+_UNCLAIM = (
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+)
 
 
 @dataclass
@@ -225,6 +229,10 @@ class ClusterState:
                 if not ok:
                     self._inflight.discard(request_id)
                     return False
+            except asyncio.CancelledError:  # the client left mid-claim: its SET may land
+                self._inflight.discard(request_id)
+                self._unclaim(key, owner)
+                raise
             except (redis.RedisError, OSError) as e:  # only this router's own ids are checked
                 self._claim_fallbacks += 1
                 now = time.monotonic()
@@ -236,6 +244,20 @@ class ClusterState:
                     )
                     self._claim_warn_at, self._claim_fallbacks = now + self._claim_warn_s, 0
         return True
+
+    def _unclaim(self, key: str, owner: str) -> None:
+        """Deletes key if `owner` holds it (a claim cancelled before its reply: its SET NX
+        may have landed, and would refuse the client's retry under this id for an hour).
+        Written after the SET on the same connection, so Redis runs it after; a fresh
+        connection otherwise (in the background: the caller is being cancelled)."""
+        if self._ids is not None and self._ids.fire(("EVAL", _UNCLAIM, 1, key, owner)):
+            return
+        with contextlib.suppress(RuntimeError):  # no loop left (shutdown): the key expires
+            asyncio.ensure_future(self._unclaim_fresh(key, owner)).add_done_callback(retrieve)
+
+    async def _unclaim_fresh(self, key: str, owner: str) -> None:
+        with contextlib.suppress(redis.RedisError, OSError):  # else the key expires
+            await self.redis.eval(_UNCLAIM, 1, key, owner)
 
     async def release(self, request_id: str, shared: bool = True) -> None:
         """Frees the id. On the pipelined connection the DEL is written and not waited for:

@@ -178,6 +178,35 @@ def test_an_id_is_freed_while_the_pipelined_connection_is_down(redis_server):
     assert asyncio.run(main()) == (True, True)
 
 
+def test_a_claim_cancelled_before_its_reply_leaves_no_id_behind(redis_server):
+    """The client leaves while its id's SET NX waits in Redis (here Redis pauses writers):
+    the SET still lands, so the router deletes the key after it, if the claim was its own
+    (another router's claim of the same id stays)."""
+    r = redis.Redis.from_url(redis_server.url)
+    r.set(inflight_key("theirs"), "r-other")
+
+    async def cancelled_claim(state: ClusterState, rid: str) -> None:
+        await state.claim("warm", "r1", 3600)  # the pipelined connection is up
+        r.client_pause(300, all=False)
+        t = asyncio.ensure_future(state.claim(rid, "r1", 3600))
+        await asyncio.sleep(0.05)
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+
+    async def main():
+        state = ClusterState(redis_server.url)
+        await cancelled_claim(state, "mine")
+        await cancelled_claim(state, "theirs")
+        await asyncio.sleep(0.5)  # the pause is over: the SETs, then the deletes, ran
+        assert r.get(inflight_key("mine")) is None
+        assert r.get(inflight_key("theirs")) == b"r-other"
+        assert await state.claim("mine", "r2", 3600)  # the client's retry
+        await state.stop()
+
+    asyncio.run(main())
+
+
 LOG_SCRIPT = """
 import structlog
 from megaserve.logs import configure, writer_cpu_seconds
