@@ -83,13 +83,19 @@ class StreamHub:
 
         async def run(req: decode_pb2.GenerateRequest, timeout_ms: int) -> None:
             rid = req.request_id
+            deadline = asyncio.timeout(timeout_ms / 1000 if timeout_ms else None)
             try:
-                async with asyncio.timeout(timeout_ms / 1000 if timeout_ms else None):
+                async with deadline:
                     async for r in generate(req, RequestContext(timeout_ms)):
                         out.put_nowait(decode_pb2.StreamResponse(request_id=rid, response=r))
             except _Aborted as a:
                 out.put_nowait(status_response(rid, a.code, a.details, a.trailing))
-            except TimeoutError:
+            except TimeoutError as e:
+                if not deadline.expired():  # another wait's (an engine that did not answer)
+                    log.exception("stream request failed", request_id=rid)
+                    msg = f"{rid!r}: {e!r}"
+                    out.put_nowait(status_response(rid, grpc.StatusCode.UNKNOWN, msg))
+                    return
                 msg = f"request {rid!r}: deadline of {timeout_ms} ms exceeded"
                 out.put_nowait(status_response(rid, grpc.StatusCode.DEADLINE_EXCEEDED, msg))
             except Exception as e:  # what gRPC would answer for a handler's crash

@@ -121,6 +121,7 @@ class Dispatcher:
         generated: list[int] = []
         failed: dict[str, bool] = {}  # worker id -> it was full (not failed) for this request
         attempts = migrations = tries = 0
+        tag = f"{random.getrandbits(32):08x}"  # this job's, in its worker request ids
         session = await self.state.get_session(job.session_id) if job.session_id else None
         costs.lap("session")
         first = True
@@ -131,7 +132,7 @@ class Dispatcher:
             d = self._choose("decode", decoders, RouteRequest(prompt, session, job.max_tokens))
             costs.lap("pick")
             tries += 1
-            attempt = self._attempt(job, d, prompt, generated, failed, deadline, tries)
+            attempt = self._attempt(job, d, prompt, generated, failed, deadline, f"{tag}.{tries}")
             try:
                 # Closed here, not by the garbage collector's finalizer task, when we return.
                 async with contextlib.aclosing(attempt) as chunks:
@@ -228,11 +229,12 @@ class Dispatcher:
         return free  # all busy or failed (or none): co-locate rather than wait on them
 
     async def _attempt(
-        self, job: Job, d: WorkerView, prompt: list[int], generated, failed, deadline, try_no
+        self, job: Job, d: WorkerView, prompt: list[int], generated, failed, deadline, try_id
     ) -> AsyncIterator[Chunk]:
-        # Unique per try (a migration need not add tokens): a failed try's late Release, or its
-        # worker-side leftovers, can never touch the next try's request.
-        rid = f"{job.request_id}#{try_no}.{len(generated)}"
+        # Unique per try (a migration need not add tokens) and per job (a client reuses its id
+        # once a request ended, maybe while the worker still has its messages or cancel in
+        # flight): a late Release, or a worker's leftovers, never touch another request.
+        rid = f"{job.request_id}#{try_id}.{len(generated)}"
         remaining = job.max_tokens - len(generated)
         stopping = decode_pb2.StoppingParams(
             max_tokens=remaining, stop_token_ids=job.stop_token_ids, ignore_eos=job.ignore_eos

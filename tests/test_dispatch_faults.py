@@ -176,3 +176,36 @@ def test_a_probe_that_answers_closes_the_breaker_before_it_finishes():
     failing 'no healthy decode worker' while a long generation runs."""
     probe, other = asyncio.run(_probe_scenario())
     assert probe == other == [100 + i for i in range(N)]
+
+
+def test_a_client_id_used_again_gets_other_worker_ids():
+    """A client reuses its request id once a request ended (here: cancelled mid-stream) while
+    the worker may still have the old request's messages or cancel in flight: the new job's
+    worker request ids are its own, so nothing of the old one reaches it or stops it."""
+
+    async def main():
+        held = asyncio.Event()  # the first request stays open after its first token
+        decode = ScriptedDecode(break_first=False, hold_first=held)
+        server = grpc.aio.server()
+        decode_pb2_grpc.add_DecodeServicer_to_server(decode, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        state = ClusterState(None)
+        state.workers = {"d": _view("d", "decode", port)}
+        disp = Dispatcher(state, RouterConfig(disagg_min_uncached_tokens=10_000))
+        try:
+            first = asyncio.create_task(_collect(disp, _job("same")))
+            await until_async(lambda: decode.generated, "the first request on the worker")
+            first.cancel()  # the client left
+            async with asyncio.timeout(30):  # (with the old worker ids it hung here)
+                again = await _collect(disp, _job("same"))
+            return again, decode.generated
+        finally:
+            held.set()
+            await disp.close()
+            await server.stop(None)
+
+    tokens, generated = asyncio.run(main())
+    assert tokens == [100 + i for i in range(N)]
+    assert len(generated) == 2 and generated[0] != generated[1], generated
+    assert {g.split("#")[0] for g in generated} == {"same"}
