@@ -98,7 +98,7 @@ def test_exit_after_demo_stops_the_stack_with_status_0(tmp_path):
                "--exit-after-demo", "--demo-prompt", "Say hi")  # fmt: skip
     children: set[int] = set()
     lines = []
-    killer = threading.Timer(240, p.kill)  # a stack that never stops fails below, not hangs
+    killer = threading.Timer(480, p.kill)  # a stack that never stops fails below, not hangs
     killer.start()
     try:
         for line in p.stdout:  # to the end of its output: the stack stops by itself
