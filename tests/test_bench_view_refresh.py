@@ -3,11 +3,15 @@ sets change at every heartbeat (real Redis, real Heartbeats), and the rows are r
 
 from __future__ import annotations
 
+import pytest
+
 from megaserve_app.bench.view_refresh import bench_view_refresh
 
 
-def test_the_view_follows_churning_block_sets():
-    out = bench_view_refresh(300, 2, 7, 12, placements_per_s=5, placement_blocks=3)
+@pytest.mark.parametrize("resync_s", [None, 0.0], ids=["default", "rewrite-every-beat"])
+def test_the_view_follows_churning_block_sets(resync_s):
+    """Also when every beat rewrites the sets whole in Redis (the periodic heal)."""
+    out = bench_view_refresh(300, 2, 7, 12, 5, 3, resync_s)
     assert [r["blocks_replaced_per_beat"] for r in out["rows"]] == [0, 7]
     for r in out["rows"]:
         assert r["view_equals_the_sets"], r

@@ -121,9 +121,11 @@ def bench_view_refresh(
     refreshes: int,
     placements_per_s: int = 5,
     placement_blocks: int = 128,
+    resync_s: float | None = None,
 ) -> dict:
     """CPU per refresh of one router's view: its workers idle, then `churn` blocks replaced
-    on each worker every REFRESHES_PER_BEAT refreshes (a heartbeat); checks the view."""
+    on each worker every REFRESHES_PER_BEAT refreshes (a heartbeat); checks the view.
+    resync_s: the heartbeats' periodic rewrite of their sets (None: Heartbeat.RESYNC_S)."""
     from megaserve.registration import Heartbeat
     from megaserve_app.launch import RedisProcess
 
@@ -143,6 +145,8 @@ def bench_view_refresh(
             for w, src in enumerate(sources)
         ]
         for hb in beats:
+            if resync_s is not None:
+                hb.RESYNC_S = resync_s
             hb.beat()
         rows = [
             asyncio.run(_refreshes(redis_proc.url, sources, beats, refreshes, c))
@@ -151,7 +155,13 @@ def bench_view_refresh(
         placed = asyncio.run(
             _placements(redis_proc.url, workers, placements_per_s, placement_blocks, refreshes)
         )
-        return {"workers": workers, "blocks_per_worker": blocks, "rows": rows, "placed": placed}
+        return {
+            "workers": workers,
+            "blocks_per_worker": blocks,
+            "resync_s": resync_s,
+            "rows": rows,
+            "placed": placed,
+        }
     finally:
         redis_proc.kill()
 
@@ -166,13 +176,22 @@ def add_view_refresh(bsub) -> None:
     v.add_argument("--refreshes", type=int, default=25, help="timed refreshes per row")
     v.add_argument("--placements-per-s", type=int, default=5, help="shared, per worker")
     v.add_argument("--placement-blocks", type=int, default=128, help="new blocks per placement")
+    v.add_argument(
+        "--resync-s", type=float, help="the workers' periodic set rewrite (0: every heartbeat)"
+    )
     v.add_argument("--json-out")
     v.set_defaults(func=cmd_bench_view_refresh)
 
 
 def cmd_bench_view_refresh(a) -> int:
     out = bench_view_refresh(
-        a.blocks, a.workers, a.churn, a.refreshes, a.placements_per_s, a.placement_blocks
+        a.blocks,
+        a.workers,
+        a.churn,
+        a.refreshes,
+        a.placements_per_s,
+        a.placement_blocks,
+        a.resync_s,
     )
     for r in out["rows"]:
         print(
