@@ -10,6 +10,9 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 
+import structlog
+
+log = structlog.get_logger("megaserve.decode")
 # How often a wait for the step in flight looks at its results (a queue wait's timeout): a
 # command is served at once; the step's end is noticed within this.
 STEP_POLL_S = 0.001
@@ -65,6 +68,8 @@ def _run(item: tuple[Future, Callable, tuple]) -> None:
     try:
         out = fn(*args)
     except Exception as e:  # surfaced to the caller's thread
+        if fut.cancelled():  # no caller left to see it
+            log.exception("engine command failed", command=getattr(fn, "__name__", repr(fn)))
         with contextlib.suppress(InvalidStateError):
             fut.set_exception(e)
         return

@@ -184,12 +184,16 @@ class DecodeEngine(Commands, Emission, StepFailures, PrefillStep, ImportedKV):
             except RequestError:
                 self._forget(seq.request_id)
                 raise
-            except BaseException:  # the engine did not answer: nothing is kept if it does
-                self._forget(seq.request_id)
-                self._submit(self.reservations.drop, seq.request_id)
+            except BaseException:  # the engine did not answer: whatever the attach does
+                self.cancel_soon(seq.request_id)  # when it runs, this undoes after it
                 raise
             # Dropped since (its push failed, its lease ended): prefilled here, as a request
             # that came without one.
+            try:
+                self._check_queue(0)
+            except NoCapacity:
+                self._forget(seq.request_id)
+                raise
         self._inbox.put(seq)
         self._wake.set()
 

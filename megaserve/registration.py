@@ -121,7 +121,8 @@ class Heartbeat:
             return True
         held, written, self._written = res[0], self._written, self.blocks_version
         self._rewrite = False
-        if rewrite or (held is not None and int(held) == written):
+        # (This beat's own version: redis-py resent a transaction Redis had applied.)
+        if rewrite or _as_int(held) in (written, self.blocks_version):
             return True
         # (Every beat, if another process beats under this worker's id.)
         log.warning("redis lost this worker's block set; rewriting it", held=held, wrote=written)
@@ -199,3 +200,10 @@ class Heartbeat:
             self.client.srem(workers_set(w.role), w.worker_id)
         except redis.RedisError:
             pass
+
+
+def _as_int(v) -> int | None:
+    try:
+        return int(v)
+    except (TypeError, ValueError):  # missing, or not written by a heartbeat
+        return None

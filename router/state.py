@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -65,6 +66,7 @@ class ClusterState:
         self.refreshes = 0
         self._sessions: dict[str, tuple[Session, float]] = {}  # local fallback, with expiry
         self._inflight: set[str] = set()
+        self._claims = itertools.count()  # each claim's own value (owner#n): its undo's test
         self._task: asyncio.Task | None = None
         self._fresh = asyncio.Event()
         # claim()'s fallback to this router's own ids is logged at most every _claim_warn_s.
@@ -221,17 +223,18 @@ class ClusterState:
         self._inflight.add(request_id)
         if shared and self.redis is not None:
             key, px = inflight_key(request_id), int(ttl_s * 1000)
+            value = f"{owner}#{next(self._claims)}"  # (a retry's claim is another value)
             try:
                 if self._ids is not None:
-                    ok = await self._ids.set_nx(key, owner, px)
+                    ok = await self._ids.set_nx(key, value, px)
                 else:
-                    ok = await self.redis.set(key, owner, nx=True, px=px)
+                    ok = await self.redis.set(key, value, nx=True, px=px)
                 if not ok:
                     self._inflight.discard(request_id)
                     return False
             except asyncio.CancelledError:  # the client left mid-claim: its SET may land
                 self._inflight.discard(request_id)
-                self._unclaim(key, owner)
+                self._unclaim(key, value)
                 raise
             except (redis.RedisError, OSError) as e:  # only this router's own ids are checked
                 self._claim_fallbacks += 1
@@ -245,19 +248,21 @@ class ClusterState:
                     self._claim_warn_at, self._claim_fallbacks = now + self._claim_warn_s, 0
         return True
 
-    def _unclaim(self, key: str, owner: str) -> None:
-        """Deletes key if `owner` holds it (a claim cancelled before its reply: its SET NX
-        may have landed, and would refuse the client's retry under this id for an hour).
-        Written after the SET on the same connection, so Redis runs it after; a fresh
-        connection otherwise (in the background: the caller is being cancelled)."""
-        if self._ids is not None and self._ids.fire(("EVAL", _UNCLAIM, 1, key, owner)):
+    def _unclaim(self, key: str, value: str) -> None:
+        """Deletes key if it holds this claim's value (a claim cancelled before its reply: its
+        SET NX may have landed, and would refuse the client's retry under this id for an
+        hour; a retry's own claim has another value). Written after the SET on the same
+        connection, so Redis runs it after; through redis-py otherwise (in the background:
+        the caller is being cancelled), where a SET still in flight on its own connection
+        may land after it and stay until it expires."""
+        if self._ids is not None and self._ids.fire(("EVAL", _UNCLAIM, 1, key, value)):
             return
         with contextlib.suppress(RuntimeError):  # no loop left (shutdown): the key expires
-            asyncio.ensure_future(self._unclaim_fresh(key, owner)).add_done_callback(retrieve)
+            asyncio.ensure_future(self._unclaim_fresh(key, value)).add_done_callback(retrieve)
 
-    async def _unclaim_fresh(self, key: str, owner: str) -> None:
+    async def _unclaim_fresh(self, key: str, value: str) -> None:
         with contextlib.suppress(redis.RedisError, OSError):  # else the key expires
-            await self.redis.eval(_UNCLAIM, 1, key, owner)
+            await self.redis.eval(_UNCLAIM, 1, key, value)
 
     async def release(self, request_id: str, shared: bool = True) -> None:
         """Frees the id. On the pipelined connection the DEL is written and not waited for:

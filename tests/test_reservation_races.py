@@ -9,6 +9,7 @@ import threading
 import time
 
 import grpc
+import pytest
 
 from decode_service.engine import DecodeEngine, EngineConfig, wait_idle
 from decode_service.sequence import Sequence
@@ -17,6 +18,7 @@ from megaserve.finish import FinishReason
 from megaserve.rpc import decode_pb2, decode_pb2_grpc
 from megaserve.sampling_params import SamplingParams
 from megaserve.server_thread import ServerThread
+from tests.polling import until
 
 PROMPT = list(range(3, 23))  # 20 tokens: two pages of 16
 
@@ -172,6 +174,30 @@ def test_a_command_its_caller_cancelled_does_not_fail_the_step_that_serves_it(ti
         assert engine.step_failures == 0
         assert events[-1].finish_reason is FinishReason.LENGTH
         assert sum(len(e.token_ids) for e in events) == 40
+    finally:
+        gate.set()
+        engine.stop()
+
+
+def test_an_attach_the_engine_answered_too_late_is_undone_when_it_runs(tiny_model):
+    """The Generate call's wait for its attach times out (the engine thread is stuck, here
+    cut to 0.3 s from 30 s) after the KV committed: the attach still runs and starts the
+    request, and the cancel queued behind it ends it; no pages or running slot are left."""
+    engine = DecodeEngine(tiny_model, EngineConfig(max_context=128))
+    engine.start()
+    try:
+        res = engine.reserve("late", PROMPT, 60.0)
+        gate = _hold(engine)
+        engine._submit(engine.reservations.commit, res, 5, [])  # the KV is in first
+        engine._call = lambda fn, *a: engine._submit(fn, *a).result(timeout=0.3)
+        try:
+            with pytest.raises(TimeoutError):
+                engine.submit(_seq("late", max_tokens=60), lambda e: None)
+        finally:
+            del engine._call
+        gate.set()
+        wait_idle(engine, timeout=30)
+        until(lambda: _all_free(engine) and not engine.sched.running, "the request undone", 30)
     finally:
         gate.set()
         engine.stop()
