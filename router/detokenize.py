@@ -47,10 +47,13 @@ class IncrementalDetokenizer:
         tokenizer: TextTokenizer,
         prompt_ids: Sequence[int],
         skip_special_tokens: bool = True,
+        vocab_size: int | None = None,
     ) -> None:
+        """vocab_size: the model's (None: the tokenizer's). A model may have more ids than its
+        tokenizer (a vocabulary padded for the matmuls): a sampled padding id has no text."""
         self._tok = tokenizer
         self._skip = skip_special_tokens
-        self._vocab_size = tokenizer.vocab_size
+        self._vocab_size = vocab_size or tokenizer.vocab_size
         decoder = tokenizer.backend.decoder
         self._byte_fallback = decoder is not None and b'"ByteFallback"' in decoder.__getstate__()
         # Skipped special tokens are filtered before the decoder, so they do not end a byte run.

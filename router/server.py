@@ -120,7 +120,9 @@ class TextStream:
     """Token ids -> text for one request: incremental detokenization, then stop strings."""
 
     def __init__(self, model: TokenizerInfo, prompt: list[int], stops: tuple[str, ...]):
-        self.detok = IncrementalDetokenizer(model.tokenizer, prompt, skip_special_tokens=True)
+        self.detok = IncrementalDetokenizer(
+            model.tokenizer, prompt, skip_special_tokens=True, vocab_size=model.vocab_size
+        )
         self.stops = StopStringMatcher(list(stops))
 
     def push(self, ids: list[int], final: bool) -> tuple[str, bool]:

@@ -42,9 +42,15 @@ _CODES = {c.value[0]: c for c in grpc.StatusCode}
 def _status_error(s: decode_pb2.StreamStatus) -> grpc.aio.AioRpcError:
     """The error a Generate call would have raised with this status."""
     trailing = grpc.aio.Metadata(
-        *((m.key, m.value if m.key.endswith("-bin") else m.value.decode()) for m in s.trailing)
+        *(
+            (m.key, m.value if m.key.endswith("-bin") else m.value.decode(errors="replace"))
+            for m in s.trailing
+        )
     )
-    return rpc_error(_CODES.get(s.code, grpc.StatusCode.UNKNOWN), s.message, trailing)
+    code = _CODES.get(s.code, grpc.StatusCode.UNKNOWN)
+    if code == grpc.StatusCode.OK:  # a status ends a request that did not finish: a failure
+        code = grpc.StatusCode.UNKNOWN
+    return rpc_error(code, s.message, trailing)
 
 
 class StreamCall:

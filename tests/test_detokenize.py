@@ -249,3 +249,16 @@ def test_bad_ids_and_push_after_flush(toks):
     assert d.push([]) == "" and d.flush() == ""
     with pytest.raises(RuntimeError, match="after flush"):
         d.push([1])
+
+
+def test_a_models_padding_ids_have_no_text(toks):
+    """A model with more ids than its tokenizer (Qwen3: 151,936 against ~151,669) can sample
+    a padding id, at a high temperature: it adds no text, as in transformers' decode, and
+    the stream goes on; an id past the model's vocabulary is still an error."""
+    tok = toks["smollm2"]
+    gen = tok.encode(" Hello world")
+    d = IncrementalDetokenizer(tok, [], vocab_size=tok.vocab_size + 64)
+    out = d.push(gen[:1]) + d.push([tok.vocab_size + 3]) + d.push(gen[1:]) + d.flush()
+    assert out == tok.decode(gen, skip_special_tokens=True)
+    with pytest.raises(ValueError, match=str(tok.vocab_size + 63)):
+        IncrementalDetokenizer(tok, [], vocab_size=tok.vocab_size + 64).push([tok.vocab_size + 64])

@@ -75,3 +75,14 @@ def test_a_second_live_request_id_ends_both_with_one_status(workers):  # noqa: F
     assert e.code() == grpc.StatusCode.ALREADY_EXISTS and "both ended" in e.details()
     assert [m for m in rest if m.request_id == "after"][-1].response.finish_reason
     until(lambda: dec.stats()["running"] == 0, "the first 'dup' ended", 10)
+
+
+def test_a_malformed_status_from_a_worker_fails_only_its_request():
+    """A worker's status with text metadata that is not UTF-8, or with code OK (a request
+    ended without finishing), is still one request's failure (retried elsewhere), not an
+    exception that would end the router's whole stream to that worker."""
+    s = decode_pb2.StreamStatus(code=0, message="ended early")
+    s.trailing.add(key="megaserve-reason", value=b"\xff\xfe")
+    e = router_stream._status_error(s)
+    assert e.code() == grpc.StatusCode.UNKNOWN and e.details() == "ended early"
+    assert dict(e.trailing_metadata())["megaserve-reason"] == "\ufffd\ufffd"
