@@ -135,8 +135,10 @@ def test_every_try_is_a_fresh_request_and_releases_only_touch_failed_tries():
     assert tries[2] not in decode.released, decode.released
 
 
-async def _probe_scenario():
-    held = asyncio.Event()  # the probe's stream stays open, after its first token, until set
+async def _held_decode_worker():
+    """(held, the ScriptedDecode, its started server, a view of it as worker "d"): its first
+    Generate stays open after its first token until `held` is set."""
+    held = asyncio.Event()
     decode = ScriptedDecode(break_first=False, hold_first=held)
     server = grpc.aio.server()
     decode_pb2_grpc.add_DecodeServicer_to_server(decode, server)
@@ -144,6 +146,11 @@ async def _probe_scenario():
     await server.start()
     state = ClusterState(None)
     state.workers = {"d": _view("d", "decode", port)}
+    return held, decode, server, state
+
+
+async def _probe_scenario():
+    held, decode, server, state = await _held_decode_worker()  # the probe's stream held
     cfg = RouterConfig(disagg_min_uncached_tokens=10_000, retry_max_attempts=3,
                        retry_base_delay_ms=1.0, circuit_breaker_reset_s=5.0)  # fmt: skip
     disp = Dispatcher(state, cfg)
@@ -184,14 +191,7 @@ def test_a_client_id_used_again_gets_other_worker_ids():
     worker request ids are its own, so nothing of the old one reaches it or stops it."""
 
     async def main():
-        held = asyncio.Event()  # the first request stays open after its first token
-        decode = ScriptedDecode(break_first=False, hold_first=held)
-        server = grpc.aio.server()
-        decode_pb2_grpc.add_DecodeServicer_to_server(decode, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        state = ClusterState(None)
-        state.workers = {"d": _view("d", "decode", port)}
+        held, decode, server, state = await _held_decode_worker()  # the first request held
         disp = Dispatcher(state, RouterConfig(disagg_min_uncached_tokens=10_000))
         try:
             first = asyncio.create_task(_collect(disp, _job("same")))
