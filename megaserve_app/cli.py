@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
 import json
 import os
+import signal
 import sys
 
 from megaserve.errors import BackendError, CheckpointError, MeshError, RequestError
@@ -173,6 +176,9 @@ def _strip_eos(ids: list[int], eos: tuple[int, ...]) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # kill -USR2 PID: every thread's stack to stderr (a process that hangs says where).
+    with contextlib.suppress(ValueError, OSError):  # a stderr with no file (called in-process)
+        faulthandler.register(signal.SIGUSR2, all_threads=True)
     if os.environ.pop("MEGASERVE_DIE_WITH_PARENT", None) == "1":
         from megaserve_app.launch import die_with_parent
 

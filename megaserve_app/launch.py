@@ -166,7 +166,12 @@ class Proc:
     def wait_ready(self, timeout: float = 180.0) -> str:
         self._ready.wait(timeout)
         if not self.ready_line:
-            tail = "".join(self.lines[-40:])
+            lines = 40
+            if self.p.poll() is None:  # hung: its threads' stacks (megaserve_app/cli.py)
+                os.kill(self.p.pid, signal.SIGUSR2)
+                time.sleep(2.0)
+                lines = 200
+            tail = "".join(self.lines[-lines:])
             raise RuntimeError(f"{self.name} did not start (exit {self.p.poll()}):\n{tail}")
         return self.ready_line
 

@@ -92,8 +92,20 @@ class Served:
                     if m:
                         return i, m
                 left = end - time.monotonic()
-                assert left > 0 and self.p.poll() is None, (pattern, self.output()[-6000:])
+                if left <= 0 or self.p.poll() is not None:
+                    break
                 self._cv.wait(min(left, 1.0))
+        raise AssertionError(pattern, self.hung_output())
+
+    def hung_output(self) -> str:
+        """The output's end, with every live megaserve child's thread stacks (SIGUSR2: see
+        megaserve_app/cli.py) when serve is still up: what a timed-out wait waited on."""
+        if self.p.poll() is None:
+            kids = [p for p, cmd in descendants(self.p.pid).items() if "megaserve_app.cli" in cmd]
+            for pid in [self.p.pid, *kids]:
+                os.kill(pid, signal.SIGUSR2)
+            time.sleep(2.0)
+        return self.output(own_only=False)[-20000:]
 
     def output(self, own_only: bool = True) -> str:
         with self._cv:
