@@ -71,6 +71,21 @@ def test_bad_chunks_refused(mutate, match):
     assert not imp.got.any()  # nothing staged
 
 
+def test_a_long_bad_page_index_is_named_briefly():
+    """A chunk naming thousands of pages is refused with a message of a few hundred bytes
+    that still names the offending pages (a status is no place for the whole list)."""
+    k, v = _kv()
+    c = make_chunk(k[:1], v[:1], 0, [1, 2])
+    del c.page_index[:]
+    c.page_index.extend([1, *range(1000, 6000)])
+    with pytest.raises(TransferError) as e:
+        _import().add(c)
+    msg = str(e.value)
+    assert len(msg) < 300, msg
+    assert "(5001 pages)" in msg and "1000, 1001" in msg and "5999]" in msg, msg
+    assert "(5000 pages) outside [1, 3)" in msg, msg
+
+
 def test_duplicate_chunk_refused():
     k, v = _kv()
     imp = _import()

@@ -121,10 +121,12 @@ class KVImport:
             )
         idx = np.asarray(c.page_index, np.int64)
         if idx.size == 0 or np.unique(idx).size != idx.size:
-            raise TransferError(f"page_index {list(c.page_index)} is empty or repeats a page")
+            raise TransferError(f"page_index {_pages(idx)} is empty or repeats a page")
         if idx.min() < self.first or idx.max() >= self.first + self.n:
+            out = idx[(idx < self.first) | (idx >= self.first + self.n)]
             raise TransferError(
-                f"page_index {list(c.page_index)} outside [{self.first}, {self.first + self.n})"
+                f"page_index {_pages(idx)} has {_pages(out)} outside "
+                f"[{self.first}, {self.first + self.n})"
             )
         l0, l1 = c.layer_start, c.layer_end
         want = [2, l1 - l0, idx.size, g.page_size, g.kv_heads, g.head_dim]
@@ -137,7 +139,7 @@ class KVImport:
             raise TransferError("a push carries either inline data or pulls, not both")
         if pulled and (run is None or l1 - l0 != g.num_layers):
             raise TransferError(
-                f"pulled chunk of layers [{l0}, {l1}) pages {list(c.page_index)}: a pull "
+                f"pulled chunk of layers [{l0}, {l1}) pages {_pages(idx)}: a pull "
                 "holds all layers of consecutive pages"
             )
         if not pulled:
@@ -145,7 +147,7 @@ class KVImport:
             self._check_data(buf, c.checksum, want)
         if self.got[l0:l1][:, cols].any():
             raise TransferError(
-                f"duplicate chunk: layers [{l0}, {l1}) pages {list(c.page_index)} already received"
+                f"duplicate chunk: layers [{l0}, {l1}) pages {_pages(idx)} already received"
             )
         if pulled:
             k, v = self._pull(c, want)
@@ -232,3 +234,13 @@ class KVImport:
             if tuple(a.shape) != s or str(a.dtype) != self.geo.dtype:
                 raise TransferError(f"pulled {a.dtype}{list(a.shape)} != {self.geo.dtype}{s}")
         return (out[0][0], out[0][1]) if n_arrays == 1 else (out[0], out[1])
+
+
+def _pages(idx: np.ndarray, shown: int = 8) -> str:
+    """A page list for an error message: whole when short, else its length, first and last
+    few (a chunk can name thousands of pages; a status carries a few hundred bytes well)."""
+    v = [int(x) for x in idx]
+    if len(v) <= shown:
+        return str(v)
+    head, tail = ", ".join(map(str, v[: shown // 2])), ", ".join(map(str, v[-shown // 2 :]))
+    return f"[{head}, ..., {tail}] ({len(v)} pages)"
