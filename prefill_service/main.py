@@ -75,6 +75,7 @@ async def serve(cfg: WorkerConfig) -> None:
 
     async def stop() -> None:
         await server.stop(cfg.shutdown_grace_s)
+        await servicer.channels.close()  # (the calls that pushed over them have ended)
         await asyncio.to_thread(engine.stop)  # not to exit inside a prefill call
         if hb:
             hb.stop(deregister=True)

@@ -23,6 +23,7 @@ from megaserve.status import Reason, abort, abort_for, error_metadata, reason_of
 from prefill_service.engine import DeadlineExpired, PrefillEngine
 from prefill_service.metrics import PrefillMetrics
 from prefill_service.offers import PushOffers
+from prefill_service.push_channels import PushChannels
 
 SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
 log = structlog.get_logger("megaserve.prefill")
@@ -51,18 +52,18 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.engine = engine
         self.tls = tls  # KV pushes to decode workers go over mTLS with this cert when set
         self.metrics = PrefillMetrics(engine.model.name)
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.channels = PushChannels(
+            lambda address: aio_channel(
+                address, self.tls, [("grpc.max_send_message_length", 64 << 20)]
+            )
+        )
         self.bytes_sent = 0
         self.transfer_failures = 0
         self.inflight = 0  # Prefill calls being computed, queued or still pushing their KV
 
     def _push(self, address: str):
         """KVTransfer.Push on the decode worker at `address` (pre-encoded chunks)."""
-        if address not in self._channels:
-            self._channels[address] = aio_channel(
-                address, self.tls, [("grpc.max_send_message_length", 64 << 20)]
-            )
-        return frames.push_call(self._channels[address])
+        return frames.push_call(self.channels.get(address))
 
     def _validated(self, request) -> tuple[SamplingParams, list[int]]:
         """(sampling, prompt) of a Prefill call; RequestError naming the bad field."""
