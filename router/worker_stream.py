@@ -73,7 +73,7 @@ class StreamCall:
             self._waiter.set_result(None)
 
     def _expire(self) -> None:
-        self._stream.cancel(self.request.request_id)
+        self._stream.cancel(self)
         self._put(_deadline_exceeded())
 
     def _end(self) -> None:
@@ -102,7 +102,7 @@ class StreamCall:
         if self._done:
             return False
         self._end()
-        self._stream.cancel(self.request.request_id)
+        self._stream.cancel(self)
         return True
 
 
@@ -142,9 +142,14 @@ class WorkerStream:
         self._send(decode_pb2.StreamRequest(generate=request, timeout_ms=timeout_ms))
         return call
 
-    def cancel(self, rid: str) -> None:
-        if self._waiting.pop(rid, None) is not None and not self.closed:
-            self._send(decode_pb2.StreamRequest(cancel=rid))
+    def cancel(self, call: StreamCall) -> None:
+        """Cancels call if it is still the one waiting under its id (never another call that
+        took the id since)."""
+        rid = call.request.request_id
+        if self._waiting.get(rid) is call:
+            del self._waiting[rid]
+            if not self.closed:
+                self._send(decode_pb2.StreamRequest(cancel=rid))
 
     def _send(self, m: decode_pb2.StreamRequest) -> None:
         self._backlog.append(m)
