@@ -140,6 +140,10 @@ class InflightConnection:
             raise redis.ResponseError(line[1:].decode(errors="replace"))
         return line
 
+    async def call(self, *args) -> bytes:
+        """Any command; its reply line (an error reply raises redis.ResponseError)."""
+        return await self._send(await self._ready(), *args)
+
     async def set_nx(self, key: str, value: str, px: int) -> bool:
         """SET key value NX PX px: True if the key was free (and is now set)."""
         return await self._send(await self._ready(), "SET", key, value, "NX", "PX", px) == b"+OK"

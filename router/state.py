@@ -32,6 +32,8 @@ from router.view_read import read_workers
 from router.worker_view import WorkerView
 
 log = structlog.get_logger("megaserve.router.state")
+# A cancelled claim through redis-py is deleted twice, this far apart (see _unclaim_now).
+UNCLAIM_AGAIN_S = 1.0
 # Deletes KEYS[1] only while it holds ARGV[1] (the claim is this router's).
 _UNCLAIM = (
     "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
@@ -234,7 +236,7 @@ class ClusterState:
                     return False
             except asyncio.CancelledError:  # the client left mid-claim: its SET may land
                 self._inflight.discard(request_id)
-                self._unclaim(key, value)
+                self._unclaim(key, value, ttl_s)
                 raise
             except (redis.RedisError, OSError) as e:  # only this router's own ids are checked
                 self._claim_fallbacks += 1
@@ -248,21 +250,33 @@ class ClusterState:
                     self._claim_warn_at, self._claim_fallbacks = now + self._claim_warn_s, 0
         return True
 
-    def _unclaim(self, key: str, value: str) -> None:
-        """Deletes key if it holds this claim's value (a claim cancelled before its reply: its
-        SET NX may have landed, and would refuse the client's retry under this id for an
-        hour; a retry's own claim has another value). Written after the SET on the same
-        connection, so Redis runs it after; through redis-py otherwise (in the background:
-        the caller is being cancelled), where a SET still in flight on its own connection
-        may land after it and stay until it expires."""
-        if self._ids is not None and self._ids.fire(("EVAL", _UNCLAIM, 1, key, value)):
-            return
+    def _unclaim(self, key: str, value: str, ttl_s: float) -> None:
+        """Deletes key, in the background (the caller is being cancelled), if it holds this
+        claim's value: a claim cancelled before its reply may still have landed, and would
+        refuse the client's retry under this id until it expires; a retry's own claim has
+        another value."""
         with contextlib.suppress(RuntimeError):  # no loop left (shutdown): the key expires
-            asyncio.ensure_future(self._unclaim_fresh(key, value)).add_done_callback(retrieve)
+            task = asyncio.ensure_future(self._unclaim_now(key, value, ttl_s))
+            task.add_done_callback(retrieve)
 
-    async def _unclaim_fresh(self, key: str, value: str) -> None:
-        with contextlib.suppress(redis.RedisError, OSError):  # else the key expires
+    async def _unclaim_now(self, key: str, value: str, ttl_s: float) -> None:
+        try:
+            if self._ids is not None:  # after the SET on the same connection: Redis runs it after
+                await self._ids.call("EVAL", _UNCLAIM, 1, key, value)
+                return
             await self.redis.eval(_UNCLAIM, 1, key, value)
+            # redis-py sent the SET on a connection of its own, which it dropped at the
+            # cancel: a SET still on its way may land after the first delete.
+            await asyncio.sleep(UNCLAIM_AGAIN_S)
+            await self.redis.eval(_UNCLAIM, 1, key, value)
+        except (redis.RedisError, OSError) as e:  # (a Redis that refuses EVAL, too)
+            log.warning(
+                "a cancelled claim's id could not be freed; if its SET landed, retries "
+                "under it are refused until it expires",
+                key=key,
+                expires_in_s=ttl_s,
+                error=str(e),
+            )
 
     async def release(self, request_id: str, shared: bool = True) -> None:
         """Frees the id. On the pipelined connection the DEL is written and not waited for:

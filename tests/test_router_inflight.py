@@ -207,6 +207,43 @@ def test_a_claim_cancelled_before_its_reply_leaves_no_id_behind(redis_server):
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "redis-py"])
+def test_a_cancelled_claim_redis_will_not_free_is_logged(redis_server, pipelined):
+    """A Redis that refuses EVAL (an ACL) cannot free a cancelled claim: the id then refuses
+    retries until it expires, and the router says so (it was dropped silently)."""
+    from structlog.testing import capture_logs
+
+    r = redis.Redis.from_url(redis_server.url)
+
+    async def main():
+        state = ClusterState(redis_server.url)
+        if not pipelined:  # as for a TLS or Sentinel URL
+            state._ids.close()
+            state._ids = None
+        await state.claim("warm", "r1", 3600)
+        r.execute_command("ACL", "SETUSER", "default", "-eval")
+        try:
+            r.client_pause(300, all=False)
+            t = asyncio.ensure_future(state.claim("kept", "r1", 3600))
+            await asyncio.sleep(0.05)
+            t.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await t
+            with capture_logs() as logs:
+                await asyncio.sleep(0.6)  # the pause is over: the SET, then the EVAL, ran
+        finally:
+            r.execute_command("ACL", "SETUSER", "default", "+eval")
+        await state.stop()
+        return logs
+
+    logs = asyncio.run(main())
+    if pipelined:  # (redis-py drops its connection at the cancel: a paused SET goes with it)
+        assert r.get(inflight_key("kept")) is not None  # nothing could free it
+    said = [x for x in logs if "could not be freed" in x["event"]]
+    assert len(said) == 1 and "eval" in said[0]["error"].lower(), logs
+    assert said[0]["key"] == inflight_key("kept") and said[0]["expires_in_s"] == 3600
+
+
 LOG_SCRIPT = """
 import structlog
 from megaserve.logs import configure, writer_cpu_seconds
