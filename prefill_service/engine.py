@@ -83,6 +83,7 @@ class _Job:
     done: int = 0  # tokens computed
     sent: int = 0  # pages handed to on_pages (indices < sent are done or skipped)
     started: float = 0.0
+    queued: bool = False  # counted against max_queued (submitted; not admitted, not cancelled)
 
 
 def step_config(cfg: PrefillConfig, max_pages: int) -> StepConfig:
@@ -121,17 +122,15 @@ class PrefillEngine:
         )
         self.alloc = PageAllocator(self.pool.num_pages, cfg.page_size)
         self.max_pages = math.ceil(cfg.max_context / cfg.page_size)
-        self.runner = make_runner(
-            model.family,
-            mc,
-            model.params,
-            self.pool,
-            step_config(cfg, self.max_pages),
-            backend="xla",  # prefill programs are XLA on every backend today
-            parallel=cfg.parallel,
-        )
+        self.runner = make_runner(  # (prefill programs are XLA on every backend today)
+            model.family, mc, model.params, self.pool, step_config(cfg, self.max_pages),
+            backend="xla", parallel=cfg.parallel,
+        )  # fmt: skip
         self._queue: queue.Queue[_Job] = queue.Queue()
         self._submit_lock = threading.Lock()  # the queue bound's check and put, together
+        # Prompts queued whose caller still waits: the bound counts these, not the queue, which
+        # also holds cancelled ones until the engine thread reaches them (after a long call).
+        self._waiting = 0
         self._active: list[_Job] = []
         self.batched_calls = 0
         self.rows_computed = 0
@@ -176,13 +175,34 @@ class PrefillEngine:
         job = _Job(list(prompt), sampling, skip_pages, on_pages, resumed, deadline)
         with self._submit_lock:
             self.check_room()
+            if self._queue.qsize() >= 2 * self.cfg.max_queued:
+                self._drop_cancelled()
+            job.queued = True
+            self._waiting += 1
             self._queue.put(job)
+        job.future.add_done_callback(lambda _, job=job: self._dequeued(job))  # (a cancel too)
         return job.future
 
     def check_room(self) -> None:
         """NoCapacity when `max_queued` prompts already wait for a batch row."""
-        if self._queue.qsize() >= self.cfg.max_queued:
+        if self._waiting >= self.cfg.max_queued:
             raise NoCapacity(f"prefill queue full ({self.cfg.max_queued} queued); retry")
+
+    def _dequeued(self, job: _Job) -> None:
+        """job no longer waits for a row (admitted, failed, or its caller left)."""
+        with self._submit_lock:
+            if job.queued:
+                job.queued = False
+                self._waiting -= 1
+
+    def _drop_cancelled(self) -> None:
+        """Takes cancelled prompts out of the queue (they hold no pages yet): while the engine
+        is inside a long call, callers that submit and leave would otherwise grow it."""
+        with self._queue.mutex:
+            q = self._queue.queue
+            kept = [j for j in q if j is None or not j.future.cancelled()]
+            q.clear()
+            q.extend(kept)
 
     def prefill(self, prompt, sampling, skip_pages, on_pages, resumed=0) -> PrefillResult:
         """submit(), then blocks until the result."""
@@ -236,7 +256,10 @@ class PrefillEngine:
         return False
 
     def _admit(self, job: _Job | None) -> None:
-        if job is None or self._gone(job):  # None: stop() woke the thread
+        if job is None:  # stop() woke the thread
+            return
+        self._dequeued(job)
+        if self._gone(job):
             return
         try:
             job.pages, hit = claim_pages(self.alloc, job.prompt)
@@ -255,7 +278,7 @@ class PrefillEngine:
             "total_pages": a.num_pages - 1,
             "available_pages": a.num_available,
             "active": len(self._active),
-            "queued": self._queue.qsize(),
+            "queued": self._waiting,
             "page_size": a.page_size,
             "batched_calls": self.batched_calls,
             "rows_computed": self.rows_computed,

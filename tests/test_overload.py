@@ -78,6 +78,7 @@ def test_prefill_queue_bound_cancel_and_deadline(tiny_model):
             pre.submit([10, 11, 12], SP, 0, _noop)  # 3 queued: refused at once, not queued
         assert pre.stats()["queued"] == 3
         assert cancelled.cancel()  # its caller left: never computed
+        assert pre.stats()["queued"] == 2  # its place is free at once
         clock.advance(2.0)  # the deadline passes while the prompt is queued
     finally:
         gate.set()
@@ -88,6 +89,34 @@ def test_prefill_queue_bound_cancel_and_deadline(tiny_model):
     assert pre.expired == 1
     assert pre.rows_computed == 3  # the held prompt's two chunks and `kept`; nothing else
     until(lambda: pre.stats()["active"] == 0 and pre.stats()["queued"] == 0, "engine idle")
+    pre.alloc.check_invariants()
+    assert pre.alloc.all_free_or_cached()
+
+
+def test_cancelled_prompts_free_their_queue_places_at_once(tiny_model):
+    """Callers that left free their places in the bound while the engine is still inside a
+    call (they counted until the engine thread reached them); the queue itself stays bounded
+    when callers keep submitting and leaving."""
+    pre, gate, held = _held_prefill(tiny_model, max_queued=2)
+    try:
+        left = [pre.submit([1, 2, 3], SP, 0, _noop) for _ in range(2)]
+        with pytest.raises(NoCapacity, match="prefill queue full"):
+            pre.submit([4, 5, 6], SP, 0, _noop)
+        for f in left:
+            assert f.cancel()
+        assert pre.stats()["queued"] == 0
+        for _ in range(50):  # submit and leave, again and again, the engine still held
+            assert pre.submit([7, 8, 9], SP, 0, _noop).cancel()
+        assert pre._queue.qsize() <= 2 * 2 + 1
+        kept = [pre.submit([10 + i, 11, 12], SP, 0, _noop) for i in range(2)]
+        with pytest.raises(NoCapacity, match="prefill queue full"):
+            pre.submit([4, 5, 6], SP, 0, _noop)
+    finally:
+        gate.set()
+    held.result(120)
+    assert all(isinstance(f.result(120), PrefillResult) for f in kept)
+    assert pre.rows_computed == 4  # the held prompt's two chunks and the two kept
+    until(lambda: pre.stats()["queued"] == 0 and pre._queue.qsize() == 0, "queue drained")
     pre.alloc.check_invariants()
     assert pre.alloc.all_free_or_cached()
 
