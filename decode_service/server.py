@@ -17,6 +17,7 @@ from decode_service.metrics import WorkerMetrics
 from decode_service.sequence import Sequence
 from megaserve.errors import NoCapacity, RequestError
 from megaserve.finish import FinishReason
+from megaserve.futures import retrieve
 from megaserve.grpc_server import start_serving
 from megaserve.rpc import decode_pb2, decode_pb2_grpc, kv_transfer_pb2
 from megaserve.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -25,6 +26,7 @@ from megaserve.status import Reason, abort, abort_for
 
 SERVICE = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
 KV_SERVICE = kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
+RELEASE_WAIT_S = 1.0  # how long Release waits for its cancel to be decided
 log = structlog.get_logger("megaserve.decode")
 
 
@@ -193,7 +195,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             yield m
 
     async def Release(self, request, context):  # noqa: N802
-        if not await asyncio.to_thread(self.engine.cancel, request.request_id):
+        # Decided on the engine thread, in order with its commands (a Reserve still queued
+        # there is undone after it), and waited for up to RELEASE_WAIT_S, not through a whole
+        # prefill call (seconds, past the caller's timeout): undecided by then, it is OK.
+        decided = asyncio.wrap_future(self.engine.cancel_soon(request.request_id))
+        await asyncio.wait((decided,), timeout=RELEASE_WAIT_S)
+        if not decided.done():
+            decided.add_done_callback(retrieve)
+        elif (e := decided.exception()) is not None:
+            log.error("release failed", request_id=request.request_id, error=repr(e))
+        elif not decided.result():
             await abort(
                 context,
                 grpc.StatusCode.NOT_FOUND,

@@ -201,3 +201,54 @@ def test_an_attach_the_engine_answered_too_late_is_undone_when_it_runs(tiny_mode
     finally:
         gate.set()
         engine.stop()
+
+
+def test_release_answers_while_the_engine_thread_is_busy(tiny_model):
+    """Release of a reservation while the engine thread is inside a long call (a prefill):
+    answered within its wait, not after the call; the drop happens when the engine gets to it."""
+    engine = DecodeEngine(tiny_model, EngineConfig(max_context=128))
+    engine.start()
+    servers = ServerThread(lambda: create_server(engine))
+    try:
+        engine.reserve("rel", PROMPT, 60.0)
+        gate = _hold(engine)
+        with grpc.insecure_channel(servers.addresses[0]) as ch:
+            stub = decode_pb2_grpc.DecodeStub(ch)
+            stub.Release(decode_pb2.ReleaseRequest(request_id="rel"), timeout=20)
+            # Answered while the engine is still held (a Release that waited for the decision
+            # would answer only once the hold ends, the reservation gone by then).
+            assert "rel" in engine.reservations
+            gate.set()
+            until(lambda: "rel" not in engine.reservations, "the release decided", 10)
+            with pytest.raises(grpc.RpcError) as e:  # gone now
+                stub.Release(decode_pb2.ReleaseRequest(request_id="rel"), timeout=20)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        assert _all_free(engine)
+    finally:
+        gate.set()
+        servers.stop()
+        engine.stop()
+
+
+def test_a_release_that_arrives_before_its_queued_reserve_undoes_it(tiny_model):
+    """The router's Reserve waits behind a long engine call; its client leaves and the router's
+    Release arrives meanwhile: the cancel is queued behind the reserve and undoes it (answered
+    NOT_FOUND at once, the reservation would hold its pages for its whole lease)."""
+    engine = DecodeEngine(tiny_model, EngineConfig(max_context=128))
+    engine.start()
+    servers = ServerThread(lambda: create_server(engine))
+    gate = _hold(engine)
+    try:
+        reserving = threading.Thread(target=engine.reserve, args=("late", PROMPT, 60.0))
+        reserving.start()
+        _queued(engine, 1)
+        with grpc.insecure_channel(servers.addresses[0]) as ch:
+            stub = decode_pb2_grpc.DecodeStub(ch)
+            stub.Release(decode_pb2.ReleaseRequest(request_id="late"), timeout=20)
+        gate.set()
+        reserving.join(10)
+        until(lambda: "late" not in engine.reservations and _all_free(engine), "undone", 10)
+    finally:
+        gate.set()
+        servers.stop()
+        engine.stop()
