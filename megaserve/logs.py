@@ -103,7 +103,10 @@ def configure(level: str = "info", background: bool = False) -> None:
         logger_factory=(
             structlog.ReturnLoggerFactory()
             if background
-            else structlog.PrintLoggerFactory(sys.stderr)
+            # One write per line: PrintLogger writes the text and its newline apart, and a
+            # line another thread writes to the same pipe between them is glued behind it (a
+            # launcher then missed a worker's READY line and waited for ever).
+            else structlog.WriteLoggerFactory(sys.stderr)
         ),
         # A module's `log` proxy binds a new logger on every call unless it caches one; once
         # configured for the process, the background mode caches it.
@@ -111,9 +114,10 @@ def configure(level: str = "info", background: bool = False) -> None:
     )
 
 
-def announce(line: str) -> None:
-    """Prints a line a launcher parses (READY ...) in one write: `print` writes the text
-    and its newline separately, and under PYTHONUNBUFFERED a log line from the writer
-    thread (stderr, the same pipe) could land between them, gluing itself to an address."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+def announce(line: str, stream=None) -> None:
+    """Prints a line another process parses (READY ..., serve's addresses) in one write:
+    `print` writes the text and its newline separately, and under PYTHONUNBUFFERED a line
+    another thread writes to the same pipe could land between them, gluing itself on."""
+    stream = stream or sys.stdout
+    stream.write(line + "\n")
+    stream.flush()

@@ -158,8 +158,10 @@ class Proc:
                 del self.lines[: len(self.lines) - self.keep]
             if self.echo:
                 self.echo(self.name, line)
-            if line.startswith("READY"):
-                self.ready_line = line
+            ready = line.find("READY ")
+            # (After a "}": glued behind a log line another writer, a library's, wrote apart.)
+            if ready == 0 or (ready > 0 and line[ready - 1] == "}"):
+                self.ready_line = line[ready:]
                 self._ready.set()
         self._ready.set()
 

@@ -11,6 +11,7 @@ import tempfile
 import threading
 import time
 
+from megaserve.logs import announce
 from megaserve.worker_args import nice_increment
 from megaserve_app.launch import Cluster, RedisProcess
 from megaserve_app.supervise import GiveUp, Supervisor
@@ -103,7 +104,7 @@ def _wait_serving(address: str, stop: threading.Event, sup: Supervisor) -> bool:
     t0, said = time.monotonic(), False
     while (status := _health(address)) != "SERVING":
         if not said and time.monotonic() - t0 > 60:
-            print(f"waiting for the router's health to say SERVING (now {status})", flush=True)
+            announce(f"waiting for the router's health to say SERVING (now {status})")
             said = True
         if stop.wait(0.2):
             return False
@@ -187,14 +188,14 @@ def serve(a) -> int:
     cluster = Cluster(redis_url, a.checkpoint, worker_args=args, echo=_echo(a.verbose))
     t0 = time.monotonic()
     try:
-        print(f"redis: {redis_url}" + (" (private)" if redis else ""), flush=True)
+        announce(f"redis: {redis_url}" + (" (private)" if redis else ""))
         spawn = _start(a, cluster)
         for p in list(cluster.procs.values()):
             while not p._ready.wait(0.2):
                 if stop.is_set():
                     return 130
             p.wait_ready(0)  # a process that exits before READY at first start: RuntimeError
-            print(f"{p.name}: {p.address}", flush=True)
+            announce(f"{p.name}: {p.address}")
         workers = [n for n in cluster.procs if n != "router"]
         cluster.wait_registered(workers)
         procs: dict = dict(cluster.procs)
@@ -202,13 +203,13 @@ def serve(a) -> int:
             procs["redis"], spawn["redis"] = redis, lambda: redis.start()
         sup = Supervisor(
             procs, lambda name: spawn[name](), _registered(redis_url, set(workers)),
-            log=lambda line: print(line, flush=True),
+            log=announce,
         )  # fmt: skip
         router = cluster.procs["router"]
         if not _wait_serving(router.address, stop, sup):
             return 130
-        print(f"megaserve is serving {cluster.model_name} at {router.address} "
-              f"(up in {time.monotonic() - t0:.1f} s; Ctrl-C stops)", flush=True)  # fmt: skip
+        announce(f"megaserve is serving {cluster.model_name} at {router.address} "
+                 f"(up in {time.monotonic() - t0:.1f} s; Ctrl-C stops)")  # fmt: skip
         if not a.no_demo:
             demo(router.address, a.demo_prompt)
         if a.exit_after_demo:
@@ -219,18 +220,18 @@ def serve(a) -> int:
         return 0
     except (RuntimeError, TimeoutError) as e:  # did not start, or did not register
         why[0] = "a process did not start"
-        print(f"megaserve: {e}", file=sys.stderr, flush=True)
+        announce(f"megaserve: {e}", sys.stderr)
         return 1
     except GiveUp as e:
         why[0] = f"gave up on {e.name}"
         tail = "".join(f"  [{e.name}] {line}" for line in e.tail)
-        print(f"megaserve: giving up: {e}; its last lines:\n{tail}", file=sys.stderr, flush=True)
+        announce(f"megaserve: giving up: {e}; its last lines:\n{tail}", sys.stderr)
         return 1
     finally:
-        print(f"stopping ({why[0]})...", flush=True)
+        announce(f"stopping ({why[0]})...")
         cluster.stop()
         if redis:
             redis.kill()
         if turns:
             turns.cleanup()
-        print("stopped", flush=True)
+        announce("stopped")
