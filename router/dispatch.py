@@ -23,7 +23,7 @@ from router import costs
 from router.chunk import Chunk
 from router.circuit import CircuitBreakers
 from router.config import RouterConfig
-from router.frontend import Job, RouterError
+from router.frontend import Job, RouterError, with_budget
 from router.overload import Overloaded, retry_after_of
 from router.policies import RouteRequest, make_policy
 from router.policies.round_robin import RoundRobin
@@ -124,11 +124,12 @@ class Dispatcher:
         tag = f"{random.getrandbits(32):08x}"  # this job's, in its worker request ids
         session = await self.state.get_session(job.session_id) if job.session_id else None
         costs.lap("session")
-        first = True
+        first = True  # (only the first chunk keeps its cached_tokens)
         while True:
             n_before = len(generated)
             prompt = job.prompt + generated
             decoders = await self._wait_for_decoders(job, failed, deadline)
+            job = with_budget(job, [w.info.max_context for w in decoders])
             d = self._choose("decode", decoders, RouteRequest(prompt, session, job.max_tokens))
             costs.lap("pick")
             tries += 1
@@ -140,10 +141,7 @@ class Dispatcher:
                         generated += c.token_ids
                         if self.breakers.is_open(d.id):
                             self.breakers.success(d.id)  # it answers: a probe need not wait
-                        if first:
-                            first = False
-                        else:
-                            c.cached_tokens = 0
+                        c.cached_tokens, first = (c.cached_tokens if first else 0), False
                         if c.finish_reason:  # before the yield: the consumer stops at the last
                             self.breakers.success(d.id)
                             # The worker now caches the output's full blocks too (a session's

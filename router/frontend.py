@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 import jinja2
@@ -23,6 +23,8 @@ from router.stop_strings import StopStringMatcher
 ROLES = ("system", "user", "assistant", "tool")
 MAX_REQUEST_ID = 256
 MAX_SESSION_ID = 256
+# Output tokens of a request that left max_tokens at 0 on a worker that publishes no context.
+DEFAULT_MAX_TOKENS = 256
 # A chat message's characters for its size check: its content and role, plus what the
 # template adds around it (ChatML: "<|im_start|>" role "\n" ... "<|im_end|>\n", 24), so a
 # chat of many empty messages is refused before its template is rendered.
@@ -86,13 +88,31 @@ class Job:
     model: TokenizerInfo
     prompt: list[int]
     sampling: decode_pb2.SamplingParams  # what every worker attempt is given
-    max_tokens: int
+    max_tokens: int  # 0 while no worker had told its context: resolved at placement (with_budget)
     stop: tuple[str, ...]
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
     session_id: str
     logprobs: int | None = None  # None: not asked; else alternatives per token (0: none)
     prompt_logprobs: int | None = None  # the same for prompt tokens (LogprobsParams.prompt)
+
+
+def with_budget(job: Job, contexts: list[int]) -> Job:
+    """job with max_tokens resolved: left at 0 while no worker had told the router its
+    context (a router just started), it is made "up to the smallest context of the workers
+    it may run on" now (a fixed default would be refused by the worker for a long prompt,
+    citing a max_tokens the client never set). Once, so a migration keeps it."""
+    if job.max_tokens:
+        return job
+    known = [c for c in contexts if c]
+    if not known:  # workers that publish no context
+        return replace(job, max_tokens=DEFAULT_MAX_TOKENS)
+    if len(job.prompt) >= min(known):
+        raise invalid(
+            f"prompt is {len(job.prompt)} tokens; the context limit of {job.model.name!r} is "
+            f"{min(known)}"
+        )
+    return replace(job, max_tokens=min(known) - len(job.prompt))
 
 
 def resolve_model(name: str, models: dict[str, TokenizerInfo]) -> TokenizerInfo:
@@ -190,8 +210,6 @@ def parse_generate(
                 f"prompt ({len(ids)} tokens) + stopping.max_tokens ({max_tokens}) exceeds the "
                 f"context limit {max_context} of {model.name!r}"
             )
-    elif max_tokens == 0:
-        max_tokens = 256  # no worker known yet to tell the context; placement will say
     try:
         StopStringMatcher(list(st.stop))
     except ValueError as e:

@@ -34,6 +34,7 @@ SLACK_S = 3.0  # a loaded machine's scheduling, on top of the bound the issue st
 SHORT_WAIT_S = 1.5  # r2's no_worker_wait_s
 PROMPT = list(range(3, 40))
 N = 12
+LONG_PROMPT = [(i * 7) % 300 + 3 for i in range(400)]
 
 
 @pytest.fixture(scope="module")
@@ -85,12 +86,12 @@ def _watch_until_serving(addr: str, timeout: float) -> float:
     raise AssertionError("health watch ended before SERVING")
 
 
-def _generate(addr: str, timeout: float = 240.0):
-    """(status code, token ids) of one greedy Generate of PROMPT."""
+def _generate(addr: str, timeout: float = 240.0, prompt=PROMPT, max_tokens=N):
+    """(status code, token ids) of one greedy Generate of prompt."""
     req = pb.GenerateRequest(
         model=MODEL,
-        prompt_token_ids=pb.TokenIds(ids=PROMPT),
-        stopping=pb.StoppingParams(max_tokens=N, ignore_eos=True),
+        prompt_token_ids=pb.TokenIds(ids=prompt),
+        stopping=pb.StoppingParams(max_tokens=max_tokens, ignore_eos=True),
     )
     with grpc.insecure_channel(addr) as ch:
         try:
@@ -98,6 +99,15 @@ def _generate(addr: str, timeout: float = 240.0):
         except grpc.RpcError as e:
             return e.code(), []
     return grpc.StatusCode.OK, [t for o in out for t in o.token_ids]
+
+
+def _refused(addr: str, prompt: list[int]) -> tuple[grpc.StatusCode, str]:
+    """(code, details) of a Generate of prompt with max_tokens unset, which must fail."""
+    req = pb.GenerateRequest(model=MODEL, prompt_token_ids=pb.TokenIds(ids=prompt))
+    with grpc.insecure_channel(addr) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            list(pbg.GenerationStub(ch).Generate(req, timeout=240))
+    return e.value.code(), e.value.details()
 
 
 def _router(w, name: str, config: str):
@@ -130,8 +140,12 @@ def test_router_without_redis_or_workers_stays_up_then_serves(world):
     t0 = time.monotonic()
     assert _generate(r2.address) == (grpc.StatusCode.UNAVAILABLE, [])
     assert time.monotonic() - t0 >= SHORT_WAIT_S
-    with ThreadPoolExecutor(2) as ex:
+    with ThreadPoolExecutor(4) as ex:
         waiting = ex.submit(_generate, r1.address)  # sent before any worker exists
+        # max_tokens left at 0 ("up to the context") and no context known yet: the worker's
+        # (512) decides once it is there, not a default the long prompt would not fit with.
+        to_context = ex.submit(_generate, r1.address, 240.0, LONG_PROMPT, 0)
+        too_long = ex.submit(_refused, r1.address, LONG_PROMPT + LONG_PROMPT[:112])
         watch = ex.submit(_watch_until_serving, r1.address, 240.0)
         w["rs"].start()
         assert _health(r1.address) == NOT_SERVING  # Redis alone is not enough
@@ -145,6 +159,11 @@ def test_router_without_redis_or_workers_stays_up_then_serves(world):
         # The request that arrived while there was no worker waited for it and completed.
         code, ids = waiting.result(240)
         assert code == grpc.StatusCode.OK and ids == w["want"], (code, ids)
+        code, ids = to_context.result(240)
+        assert (code, len(ids)) == (grpc.StatusCode.OK, 512 - len(LONG_PROMPT))
+        code, details = too_long.result(240)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "prompt is 512 tokens; the context limit of 'tiny-chat' is 512" in details, details
     assert _health(r1.address, "") == SERVING
     _until(lambda: _health(r2.address) == SERVING, "r2 SERVING", 60)
     print(f"\nworker READY -> router SERVING: {max(serving_at - ready_at, 0.0):.2f} s")
