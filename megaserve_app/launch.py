@@ -3,6 +3,7 @@ real child process whose output is drained in the background and which is reaped
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -169,8 +170,10 @@ class Proc:
         self._ready.wait(timeout)
         if not self.ready_line:
             lines = 40
-            if self.p.poll() is None:  # hung: its threads' stacks (megaserve_app/cli.py)
-                os.kill(self.p.pid, signal.SIGUSR2)
+            # Hung: its threads' stacks (SIGUSR2 is the `megaserve` CLI's; it ends others).
+            if self.p.poll() is None and "megaserve_app.cli" in self.cmd:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.p.pid, signal.SIGUSR2)
                 time.sleep(2.0)
                 lines = 200
             tail = "".join(self.lines[-lines:])

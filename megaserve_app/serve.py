@@ -66,9 +66,20 @@ def add_arguments(p) -> None:
     )
 
 
+# Lines that start a block a child wrote outside its JSON log lines, relayed whole even
+# without --verbose: a traceback, or the thread stacks of SIGUSR2 and of a fatal error.
+_BLOCK_STARTS = ("Traceback", "Current thread 0x", "Thread 0x", "Fatal Python error")
+
+
 def _echo(verbose: bool):
+    in_block: set[str] = set()  # children whose last line started or continued a block
+
     def echo(name: str, line: str) -> None:
-        if verbose or '"level": "error"' in line or "Traceback" in line:
+        if line.startswith(_BLOCK_STARTS):
+            in_block.add(name)
+        elif line.startswith("{"):  # a log line ends the block
+            in_block.discard(name)
+        if verbose or name in in_block or '"level": "error"' in line:
             sys.stderr.write(f"[{name}] {line}")
 
     return echo

@@ -10,8 +10,9 @@ import grpc
 
 # Distinct decode workers a prefill worker keeps a channel to. Every Prefill call names its
 # decode_address: without a bound, callers naming ever new addresses (workers replaced by a
-# rolling deploy, a misbehaving client) would grow the table and its sockets for good.
-MAX_CHANNELS = 64
+# rolling deploy, a misbehaving client) would grow the table and its sockets for good. Well
+# above a deployment's decode workers: past it, a rotation over them reconnects every push.
+MAX_CHANNELS = 512
 # An evicted channel's pushes in flight get this long to end before they are cancelled (a
 # push is bounded by its reservation's lease, 60 s by default).
 CLOSE_GRACE_S = 120.0

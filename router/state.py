@@ -73,6 +73,7 @@ class ClusterState:
         self._fresh = asyncio.Event()
         # claim()'s fallback to this router's own ids is logged at most every _claim_warn_s.
         self._claim_warn_s, self._claim_warn_at, self._claim_fallbacks = 10.0, 0.0, 0
+        self._unclaim_warn_at, self._unclaims_failed = 0.0, 0  # (the same, for _unclaim_now)
         self._pulse = asyncio.Event()  # replaced after every refresh attempt (wait_refresh)
         self._listeners: list[Callable[[], Awaitable[None]]] = []
 
@@ -270,13 +271,17 @@ class ClusterState:
             await asyncio.sleep(UNCLAIM_AGAIN_S)
             await self.redis.eval(_UNCLAIM, 1, key, value)
         except (redis.RedisError, OSError) as e:  # (a Redis that refuses EVAL, too)
-            log.warning(
-                "a cancelled claim's id could not be freed; if its SET landed, retries "
-                "under it are refused until it expires",
-                key=key,
-                expires_in_s=ttl_s,
-                error=str(e),
-            )
+            self._unclaims_failed += 1
+            if (now := time.monotonic()) >= self._unclaim_warn_at:  # (not one per request)
+                log.warning(
+                    "a cancelled claim's id could not be freed; if its SET landed, retries "
+                    "under it are refused until it expires",
+                    key=key,
+                    expires_in_s=ttl_s,
+                    error=str(e),
+                    requests=self._unclaims_failed,  # since the last such warning
+                )
+                self._unclaim_warn_at, self._unclaims_failed = now + self._claim_warn_s, 0
 
     async def release(self, request_id: str, shared: bool = True) -> None:
         """Frees the id. On the pipelined connection the DEL is written and not waited for:

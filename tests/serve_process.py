@@ -3,6 +3,7 @@ output, concurrent public streams against it, and the request sets those tests s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -103,7 +104,8 @@ class Served:
         if self.p.poll() is None:
             kids = [p for p, cmd in descendants(self.p.pid).items() if "megaserve_app.cli" in cmd]
             for pid in [self.p.pid, *kids]:
-                os.kill(pid, signal.SIGUSR2)
+                with contextlib.suppress(ProcessLookupError):  # (it exited meanwhile)
+                    os.kill(pid, signal.SIGUSR2)
             time.sleep(2.0)
         return self.output(own_only=False)[-20000:]
 

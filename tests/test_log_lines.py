@@ -55,3 +55,27 @@ def test_a_ready_line_glued_behind_another_line_is_found():
         assert p.address == "127.0.0.1:5"
     finally:
         p.kill9()
+
+
+def test_serve_relays_a_childs_tracebacks_and_stacks_whole(capsys):
+    """Without --verbose, `serve` relays a child's error log lines and every line of a block
+    it wrote outside its log (a traceback, SIGUSR2's stacks) until its next log line."""
+    from megaserve_app.serve import _echo
+
+    echo = _echo(verbose=False)
+    lines = [
+        '{"event": "serving", "level": "info"}\n',
+        "Thread 0x00007f (most recent call first):\n",
+        '  File "decode_service/main.py", line 82 in serve\n',
+        '{"event": "beat", "level": "info"}\n',
+        "Traceback (most recent call last):\n",
+        '  File "x.py", line 1, in <module>\n',
+        "ValueError: bad\n",
+        '{"event": "gone", "level": "error"}\n',
+    ]
+    for line in lines:
+        echo("decode-0", line)
+    echo("prefill-0", '  File "not in a block"\n')
+    got = capsys.readouterr().err.splitlines(keepends=True)
+    want = [f"[decode-0] {x}" for i, x in enumerate(lines) if i not in (0, 3)]
+    assert got == want

@@ -148,7 +148,8 @@ class BenchStack:
             self.decoders = [self.cluster.worker("decode", f"d{i}") for i in range(self.nd)]
             prefillers = [self.cluster.worker("prefill", f"p{i}") for i in range(self.np)]
             for w in self.decoders + prefillers:
-                w.wait_ready(timeout=600)  # a cold compile cache on a shared machine is slow
+                # A cold compile cache is slow; under pytest's 900 s, a hung one says where.
+                w.wait_ready(timeout=600)
             self.cluster.wait_registered([w.name for w in self.decoders + prefillers])
         except BaseException:
             self.__exit__()  # no Redis or worker outlives a failed start
