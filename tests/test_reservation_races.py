@@ -5,6 +5,7 @@ is held on a command so that each call lands in the window (a timing no client c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -45,6 +46,26 @@ def _queued(engine: DecodeEngine, n: int) -> None:
     while engine._commands.qsize() < n:
         assert time.monotonic() < end, "the call never reached the engine"
         time.sleep(0.005)
+
+
+@contextlib.contextmanager
+def _served_and_held(tiny_model, reserve: str | None = None):
+    """A started engine behind a real decode server (reserving `reserve` first), its thread
+    held as by _hold: (engine, address, gate). On exit the hold ends, then both stop."""
+    engine = DecodeEngine(tiny_model, EngineConfig(max_context=128))
+    engine.start()
+    servers = ServerThread(lambda: create_server(engine))
+    gate = None
+    try:
+        if reserve is not None:
+            engine.reserve(reserve, PROMPT, 60.0)
+        gate = _hold(engine)
+        yield engine, servers.addresses[0], gate
+    finally:
+        if gate is not None:
+            gate.set()
+        servers.stop()
+        engine.stop()
 
 
 def _all_free(engine: DecodeEngine) -> bool:
@@ -112,15 +133,10 @@ def test_a_cancel_that_arrives_as_the_kv_commits_ends_the_request(tiny_model):
 def test_a_generate_call_cancelled_while_it_attaches_leaves_nothing(tiny_model):
     """The decode server attaches off its event loop; a call cancelled while the attach waits
     for the engine thread cancels the request once the attach is in (before its lease)."""
-    engine = DecodeEngine(tiny_model, EngineConfig(max_context=128))
-    engine.start()
-    servers = ServerThread(lambda: create_server(engine))
-    try:
-        engine.reserve("g", PROMPT, 60.0)
-        gate = _hold(engine)
+    with _served_and_held(tiny_model, "g") as (engine, address, gate):
 
         async def main():
-            async with grpc.aio.insecure_channel(servers.addresses[0]) as ch:
+            async with grpc.aio.insecure_channel(address) as ch:
                 call = decode_pb2_grpc.DecodeStub(ch).Generate(
                     decode_pb2.GenerateRequest(
                         request_id="g",
@@ -135,10 +151,6 @@ def test_a_generate_call_cancelled_while_it_attaches_leaves_nothing(tiny_model):
         gate.set()
         wait_idle(engine, timeout=10)  # not the 60 s lease
         assert _all_free(engine)
-    finally:
-        gate.set()
-        servers.stop()
-        engine.stop()
 
 
 def test_a_command_its_caller_cancelled_does_not_fail_the_step_that_serves_it(tiny_model):
@@ -206,13 +218,8 @@ def test_an_attach_the_engine_answered_too_late_is_undone_when_it_runs(tiny_mode
 def test_release_answers_while_the_engine_thread_is_busy(tiny_model):
     """Release of a reservation while the engine thread is inside a long call (a prefill):
     answered within its wait, not after the call; the drop happens when the engine gets to it."""
-    engine = DecodeEngine(tiny_model, EngineConfig(max_context=128))
-    engine.start()
-    servers = ServerThread(lambda: create_server(engine))
-    try:
-        engine.reserve("rel", PROMPT, 60.0)
-        gate = _hold(engine)
-        with grpc.insecure_channel(servers.addresses[0]) as ch:
+    with _served_and_held(tiny_model, "rel") as (engine, address, gate):
+        with grpc.insecure_channel(address) as ch:
             stub = decode_pb2_grpc.DecodeStub(ch)
             stub.Release(decode_pb2.ReleaseRequest(request_id="rel"), timeout=20)
             # Answered while the engine is still held (a Release that waited for the decision
@@ -224,31 +231,19 @@ def test_release_answers_while_the_engine_thread_is_busy(tiny_model):
                 stub.Release(decode_pb2.ReleaseRequest(request_id="rel"), timeout=20)
             assert e.value.code() == grpc.StatusCode.NOT_FOUND
         assert _all_free(engine)
-    finally:
-        gate.set()
-        servers.stop()
-        engine.stop()
 
 
 def test_a_release_that_arrives_before_its_queued_reserve_undoes_it(tiny_model):
     """The router's Reserve waits behind a long engine call; its client leaves and the router's
     Release arrives meanwhile: the cancel is queued behind the reserve and undoes it (answered
     NOT_FOUND at once, the reservation would hold its pages for its whole lease)."""
-    engine = DecodeEngine(tiny_model, EngineConfig(max_context=128))
-    engine.start()
-    servers = ServerThread(lambda: create_server(engine))
-    gate = _hold(engine)
-    try:
+    with _served_and_held(tiny_model) as (engine, address, gate):
         reserving = threading.Thread(target=engine.reserve, args=("late", PROMPT, 60.0))
         reserving.start()
         _queued(engine, 1)
-        with grpc.insecure_channel(servers.addresses[0]) as ch:
+        with grpc.insecure_channel(address) as ch:
             stub = decode_pb2_grpc.DecodeStub(ch)
             stub.Release(decode_pb2.ReleaseRequest(request_id="late"), timeout=20)
         gate.set()
         reserving.join(10)
         until(lambda: "late" not in engine.reservations and _all_free(engine), "undone", 10)
-    finally:
-        gate.set()
-        servers.stop()
-        engine.stop()
