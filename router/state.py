@@ -40,6 +40,21 @@ _UNCLAIM = (
 )
 
 
+class _Sometimes:
+    """A warning that happens once per request, logged at most every `every_s` seconds with
+    the count since the last one (`requests`)."""
+
+    def __init__(self, every_s: float):
+        self.every_s, self.at, self.count = every_s, 0.0, 0
+
+    def warn(self, event: str, **kw) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now >= self.at:
+            log.warning(event, requests=self.count, **kw)
+            self.at, self.count = now + self.every_s, 0
+
+
 @dataclass
 class Session:
     worker_id: str
@@ -71,9 +86,9 @@ class ClusterState:
         self._claims = itertools.count()  # each claim's own value (owner#n): its undo's test
         self._task: asyncio.Task | None = None
         self._fresh = asyncio.Event()
-        # claim()'s fallback to this router's own ids is logged at most every _claim_warn_s.
-        self._claim_warn_s, self._claim_warn_at, self._claim_fallbacks = 10.0, 0.0, 0
-        self._unclaim_warn_at, self._unclaims_failed = 0.0, 0  # (the same, for _unclaim_now)
+        # claim()'s fallback to this router's own ids, and a cancelled claim's failed undo:
+        # each logged at most every 10 s, not once per request.
+        self._claim_fallbacks, self._unclaims_failed = _Sometimes(10.0), _Sometimes(10.0)
         self._pulse = asyncio.Event()  # replaced after every refresh attempt (wait_refresh)
         self._listeners: list[Callable[[], Awaitable[None]]] = []
 
@@ -240,15 +255,10 @@ class ClusterState:
                 self._unclaim(key, value, ttl_s)
                 raise
             except (redis.RedisError, OSError) as e:  # only this router's own ids are checked
-                self._claim_fallbacks += 1
-                now = time.monotonic()
-                if now >= self._claim_warn_at:
-                    log.warning(
-                        "redis unreachable; duplicate request ids checked on this router only",
-                        error=str(e),
-                        requests=self._claim_fallbacks,  # since the last such warning
-                    )
-                    self._claim_warn_at, self._claim_fallbacks = now + self._claim_warn_s, 0
+                self._claim_fallbacks.warn(
+                    "redis unreachable; duplicate request ids checked on this router only",
+                    error=str(e),
+                )
         return True
 
     def _unclaim(self, key: str, value: str, ttl_s: float) -> None:
@@ -271,17 +281,13 @@ class ClusterState:
             await asyncio.sleep(UNCLAIM_AGAIN_S)
             await self.redis.eval(_UNCLAIM, 1, key, value)
         except (redis.RedisError, OSError) as e:  # (a Redis that refuses EVAL, too)
-            self._unclaims_failed += 1
-            if (now := time.monotonic()) >= self._unclaim_warn_at:  # (not one per request)
-                log.warning(
-                    "a cancelled claim's id could not be freed; if its SET landed, retries "
-                    "under it are refused until it expires",
-                    key=key,
-                    expires_in_s=ttl_s,
-                    error=str(e),
-                    requests=self._unclaims_failed,  # since the last such warning
-                )
-                self._unclaim_warn_at, self._unclaims_failed = now + self._claim_warn_s, 0
+            self._unclaims_failed.warn(
+                "a cancelled claim's id could not be freed; if its SET landed, retries under "
+                "it are refused until it expires",
+                key=key,
+                expires_in_s=ttl_s,
+                error=str(e),
+            )
 
     async def release(self, request_id: str, shared: bool = True) -> None:
         """Frees the id. On the pipelined connection the DEL is written and not waited for:
