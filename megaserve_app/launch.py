@@ -122,6 +122,15 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def dump_stacks(pids: list[int]) -> None:
+    """Has each `megaserve` process in pids print every thread's stack (SIGUSR2, registered
+    by megaserve_app/cli.py) to its output, and gives them the time to."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):  # (it exited meanwhile)
+            os.kill(pid, signal.SIGUSR2)
+    time.sleep(2.0)
+
+
 def child_env() -> dict[str, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     # PR_SET_PDEATHSIG fires when the forking *thread* exits, so only children started from
@@ -172,9 +181,7 @@ class Proc:
             lines = 40
             # Hung: its threads' stacks (SIGUSR2 is the `megaserve` CLI's; it ends others).
             if self.p.poll() is None and "megaserve_app.cli" in self.cmd:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(self.p.pid, signal.SIGUSR2)
-                time.sleep(2.0)
+                dump_stacks([self.p.pid])
                 lines = 200
             tail = "".join(self.lines[-lines:])
             raise RuntimeError(f"{self.name} did not start (exit {self.p.poll()}):\n{tail}")

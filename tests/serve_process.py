@@ -3,7 +3,6 @@ output, concurrent public streams against it, and the request sets those tests s
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -19,7 +18,7 @@ import grpc
 from megaserve.status import RETRY_AFTER_KEY
 from megaserve.v1 import generation_pb2 as pb
 from megaserve_app.client import stream_request
-from megaserve_app.launch import child_env
+from megaserve_app.launch import child_env, dump_stacks
 from tests.conftest import REPO
 
 
@@ -103,10 +102,7 @@ class Served:
         megaserve_app/cli.py) when serve is still up: what a timed-out wait waited on."""
         if self.p.poll() is None:
             kids = [p for p, cmd in descendants(self.p.pid).items() if "megaserve_app.cli" in cmd]
-            for pid in [self.p.pid, *kids]:
-                with contextlib.suppress(ProcessLookupError):  # (it exited meanwhile)
-                    os.kill(pid, signal.SIGUSR2)
-            time.sleep(2.0)
+            dump_stacks([self.p.pid, *kids])
         return self.output(own_only=False)[-20000:]
 
     def output(self, own_only: bool = True) -> str:
